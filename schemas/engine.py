@@ -1,0 +1,110 @@
+"""Engine contracts: what an engine can do, what it is asked, what it streams back.
+
+Every driver (native in-process, ridden vLLM, native behind vLLM surfaces) speaks these
+records. Capabilities are facts established at start-up; a flag that is not known is False.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class Determinism(enum.StrEnum):
+    """What an engine may claim about run-to-run identical output."""
+
+    BATCH_INVARIANT = "batch_invariant"
+    DETERMINISTIC_OFFLINE = "deterministic_offline"
+    UNAVAILABLE = "unavailable"
+
+
+class PriorityDirection(enum.StrEnum):
+    LOWER_IS_SOONER = "lower_is_sooner"
+    HIGHER_IS_SOONER = "higher_is_sooner"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """Capability record of one engine (design §2). Unknown = off."""
+
+    engine_kind: Literal["native", "vllm"]
+    model_id: str
+    max_model_len: int | None = None
+    block_size: int | None = None
+    cache_salt: bool = False
+    priority_scheduling: bool = False
+    priority_direction: PriorityDirection = PriorityDirection.LOWER_IS_SOONER
+    exact_span_evict: bool = False
+    prefix_reset: bool = False
+    kv_events: bool = False
+    kv_replay: bool = False
+    cached_tokens_in_usage: bool = False
+    determinism: Determinism = Determinism.UNAVAILABLE
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One generation request as the governor hands it to a driver.
+
+    `body` is the OpenAI-shaped request body after validation, without any client salt;
+    `cache_salt` is the governor's salt (None only for engines without prefix caching);
+    `priority` is the engine-direction value, None when the capability is off.
+    """
+
+    request_id: str
+    route: Literal["chat", "completions"]
+    body: dict[str, Any]
+    tenant: str
+    cache_salt: str | None
+    priority: int | None = None
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One unit a driver yields.
+
+    For a streaming request each chunk is one SSE `data:` payload exactly as the engine sent
+    it (`data` is the decoded JSON object, `done` marks `[DONE]`). For a non-streaming
+    request a single chunk carries the whole response object. `usage` is filled when the
+    chunk carried usage, so accounting never re-parses.
+    """
+
+    data: dict[str, Any] | None
+    done: bool = False
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineError(Exception):
+    """An OpenAI-style error from (or about) the engine, with the HTTP status to answer."""
+
+    status: int
+    message: str
+    type: str = "InternalServerError"
+    param: str | None = None
+    code: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
