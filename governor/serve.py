@@ -1,0 +1,101 @@
+"""`fak serve`: build the governor from a config (or a dev setup) and run it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+from aiohttp import web
+
+from adapters.driver import EngineDriver
+from governor.app import build_app
+from governor.auth import sha256_hex
+from governor.config import GovernorConfig, ServerConfig, TenantConfig, load_config, parse_config
+from governor.secrets import StartupRefused, TenantEpochs, load_salt_key
+from governor.state import Governor
+from policies.salts import SaltKey, SaltKeyError
+
+
+def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
+    """A working single-tenant setup on the embedded model, with fresh one-time secrets."""
+    api_key = "fak-dev-" + secrets.token_urlsafe(24)
+    admin_token = "fak-admin-" + secrets.token_urlsafe(24)
+    config = parse_config({"server": {"data_dir": str(data_dir)}, "engine": {"kind": "native"}})
+    tenant = TenantConfig(id="dev", api_key_sha256=(sha256_hex(api_key),),
+                          tenant_class="interactive")
+    server = replace(config.server, admin_token_sha256=sha256_hex(admin_token))
+    return replace(config, server=server, tenants=(tenant,)), api_key, admin_token
+
+
+def build_driver(config: GovernorConfig) -> EngineDriver:
+    if config.engine.kind == "native":
+        from adapters.native import NativeDriver, NativeDriverConfig
+
+        return NativeDriver(NativeDriverConfig.from_section(config.engine))
+    from adapters.vllm.driver import build_vllm_driver
+
+    return build_vllm_driver(config.engine)
+
+
+def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:
+    data_dir = config.server.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        key = SaltKey(load_salt_key(data_dir, create=create_key))
+    except SaltKeyError as exc:
+        raise StartupRefused(str(exc)) from exc
+    return Governor(config, driver, key, TenantEpochs(data_dir))
+
+
+async def run_governor(gov: Governor, server: ServerConfig) -> None:
+    await gov.driver.start()
+    runner = web.AppRunner(build_app(gov), handler_cancellation=True,
+                           shutdown_timeout=server.drain_timeout_s)
+    await runner.setup()
+    await web.TCPSite(runner, server.host, server.port).start()
+    print(f"fak: serving on http://{server.host}:{server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        gov.draining = True
+        await drain(gov, server.drain_timeout_s)
+        await runner.cleanup()
+        await gov.driver.close()
+
+
+async def drain(gov: Governor, deadline_s: float) -> None:
+    """Let in-flight streams finish, up to the deadline."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(deadline_s):
+            while gov.admission.in_flight:
+                await asyncio.sleep(0.05)
+
+
+def cmd_serve(config_path: str | None, host: str | None, port: int | None,
+              data_dir: str | None, init_key: bool = False) -> int:
+    """With a config the salt key must exist unless `init_key`; the dev setup makes one."""
+    if config_path:
+        config, create_key, banner = load_config(Path(config_path)), init_key, None
+    else:
+        config, api_key, admin_token = dev_config(Path(data_dir or "./fak-data"))
+        create_key = True
+        banner = (f"fak dev setup: tenant 'dev' API key: {api_key}\n"
+                  f"fak dev setup: admin token: {admin_token}")
+    server = replace(config.server, **{k: v for k, v in
+                                       {"host": host, "port": port}.items() if v is not None})
+    if data_dir and config_path:
+        server = replace(server, data_dir=Path(data_dir))
+    config = replace(config, server=server)
+    gov = build_governor(config, build_driver(config), create_key)
+    if banner:
+        print(banner, flush=True)
+    asyncio.run(run_governor(gov, server))
+    return 0

@@ -1,0 +1,96 @@
+"""The governor's state: config, driver, secrets, admission, metrics — and the pipeline steps."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from adapters.driver import EngineDriver
+from governor.admission import Admission
+from governor.auth import Authenticator
+from governor.config import GovernorConfig, TenantConfig
+from governor.metrics import GovernorMetrics
+from governor.secrets import TenantEpochs
+from governor.validation import bad_request
+from policies.priority import PriorityConfig, admission_rank, engine_priority
+from policies.salts import SaltKey, find_client_salts, strip_client_salts, tenant_salt
+from schemas.engine import EngineError, EngineRequest
+
+
+class Governor:
+    """Everything a request needs, built once at start-up.
+
+    Salts are derived per request from the key and the tenant's current epoch, so a rotation
+    takes effect on the very next request and no salt is ever stored.
+    """
+
+    def __init__(self, config: GovernorConfig, driver: EngineDriver, salt_key: SaltKey,
+                 epochs: TenantEpochs) -> None:
+        self.config = config
+        self.driver = driver
+        self.salt_key = salt_key
+        self.epochs = epochs
+        self.auth = Authenticator(config.tenants, config.server.admin_token_sha256)
+        self.priorities = PriorityConfig()
+        self.admission = Admission(config.server.max_engine_concurrency,
+                                   config.server.admission_wait_s)
+        self.metrics = GovernorMetrics()
+        self.draining = False
+
+    def salt_for(self, tenant_id: str) -> str:
+        return tenant_salt(self.salt_key, tenant_id, self.epochs.get(tenant_id))
+
+    def prepare(self, tenant: TenantConfig, route: str, body: dict[str, Any],
+                request_id: str) -> tuple[EngineRequest, bool]:
+        """Client salt policy, governor salt, priority. Returns the request and whether the
+        client asked for the usage chunk (the governor always asks upstream, to account)."""
+        caps = self.driver.capabilities
+        if body.get("model") not in (None, caps.model_id):
+            raise EngineError(404, f"The model `{body['model']}` does not exist.",
+                              type="NotFoundError", param="model")
+        if find_client_salts(body):
+            if self.config.server.client_cache_salt == "reject":
+                self.metrics.client_salts.labels(tenant.id, "rejected").inc()
+                raise bad_request("cache_salt is set by the governor; do not send one",
+                                  "cache_salt")
+            body, _ = strip_client_salts(body)
+            self.metrics.client_salts.labels(tenant.id, "stripped").inc()
+        body = {k: v for k, v in body.items() if k != "priority"}
+        body["model"] = caps.model_id
+        stream = bool(body.get("stream"))
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream:
+            body["stream_options"] = {**(body.get("stream_options") or {}),
+                                      "include_usage": True}
+        priority = engine_priority(self.priorities, tenant.tenant_class, caps)
+        salt = self.salt_for(tenant.id) if caps.cache_salt else None
+        request = EngineRequest(request_id=request_id, route=route,  # type: ignore[arg-type]
+                                body=body, tenant=tenant.id, cache_salt=salt,
+                                priority=priority, stream=stream)
+        return request, wants_usage
+
+    async def admit(self, tenant: TenantConfig) -> float:
+        if self.draining:
+            raise EngineError(503, "the governor is shutting down", type="server_error")
+        start = time.monotonic()
+        await self.admission.acquire(tenant.id, tenant.max_concurrency,
+                                     admission_rank(self.priorities, tenant.tenant_class))
+        return time.monotonic() - start
+
+    def release(self, tenant: TenantConfig) -> None:
+        self.admission.release(tenant.id)
+
+    def rotate(self, tenant_id: str, actor: str) -> dict[str, Any]:
+        old, new = self.epochs.bump(tenant_id)
+        return {"tenant": tenant_id, "old_epoch": old, "new_epoch": new, "actor": actor}
+
+    def tenant_views(self) -> list[dict[str, Any]]:
+        return [
+            {"id": t.id, "class": t.tenant_class, "epoch": self.epochs.get(t.id),
+             "max_concurrency": t.max_concurrency, "max_tokens": t.max_tokens,
+             "in_flight": self.admission.per_tenant.get(t.id, 0)}
+            for t in self.config.tenants
+        ]
+
+    async def refresh_serving_metrics(self) -> None:
+        self.metrics.set_serving(await self.driver.serving_metrics())
