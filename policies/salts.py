@@ -1,0 +1,206 @@
+"""Tenant cache salts and client salt inputs (design §3, SEC-1, SEC-2).
+
+Derivation (SEC-1):
+
+    salt = "fak1-" + base64url_nopad(HMAC-SHA256(K, frame("cache-salt-v1")
+                                                  ‖ frame(tenant) ‖ frame(epoch)))
+
+`frame(x)` is the 4-byte big-endian length of `x` followed by `x`. Every field is text encoded
+as UTF-8; the epoch is a non-negative integer written as its decimal string with no sign,
+padding or leading zeros ("0", "7", "2345"). Framing keeps ("org_1", "2345") apart from
+("org_12345", ""). The "fak1-" prefix is a domain tag: a salt can never equal a plain LoRA
+name or a bare digest. The result is 48 characters from `A-Z a-z 0-9 - _`, which vLLM's
+salt rule accepts.
+
+Client salt inputs (SEC-2): only the governor picks a namespace, so any salt-like field a
+client sends is found here for the governor to reject (400) or strip and audit.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SALT_PREFIX = "fak1-"
+SALT_DOMAIN = "cache-salt-v1"
+MIN_KEY_BYTES = 32
+
+VLLM_SALT_MAX_CHARS = 128
+VLLM_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+# Messages exactly as vLLM 0.32.0 puts them in `error.message` (recorded, vllm-surfaces §5).
+VLLM_SALT_NOT_NONEMPTY = (
+    "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"
+)
+VLLM_SALT_BAD_FORMAT = (
+    "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+    "'@', '/', '\\\\', or NUL. (parameter=cache_salt)"
+)
+
+# Body keys that select a cache namespace in some engine or gateway (SEC-2):
+# vLLM `cache_salt`, RFC #16016 `cache_salt_map`, PR #52655 `salt_regions`,
+# TensorRT-LLM `cache_salt_id`, SGLang `extra_key`.
+CLIENT_SALT_KEYS = frozenset(
+    {"cache_salt", "salt_regions", "cache_salt_map", "cache_salt_id", "extra_key"}
+)
+# Body keys whose contents are forwarded as engine extras, so a salt may hide inside them
+# (`nvext.cache_salt` for Dynamo, OpenAI-SDK `extra_body` copies, vLLM `vllm_xargs`).
+CLIENT_SALT_CONTAINERS = frozenset({"extra_body", "nvext", "vllm_xargs"})
+# Headers that pick a namespace upstream (Dynamo `x-tenant-id`, vLLM PR #57609 `x-cache-salt`).
+CLIENT_SALT_HEADERS = frozenset({"x-tenant-id", "x-cache-salt"})
+
+
+class SaltKeyError(ValueError):
+    """The salt key is missing or too short: the governor must refuse to start."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaltKey:
+    """The HMAC key K (≥ 32 bytes). Its repr never shows the bytes."""
+
+    secret: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes):
+            raise SaltKeyError("salt key must be bytes")
+        if len(self.secret) < MIN_KEY_BYTES:
+            raise SaltKeyError(
+                f"salt key is {len(self.secret)} bytes; at least {MIN_KEY_BYTES} are required"
+            )
+
+    def __repr__(self) -> str:
+        return f"SaltKey(<{len(self.secret)} bytes redacted>)"
+
+    __str__ = __repr__
+
+
+def as_salt_key(key: SaltKey | bytes | bytearray | None) -> SaltKey:
+    """Validate a key once; missing (None or empty) or short keys raise `SaltKeyError`."""
+    if isinstance(key, SaltKey):
+        return key
+    if key is None or len(key) == 0:
+        raise SaltKeyError("salt key is missing; refusing to derive tenant salts")
+    if not isinstance(key, bytes | bytearray):
+        raise SaltKeyError(f"salt key must be bytes, not {type(key).__name__}")
+    return SaltKey(bytes(key))
+
+
+def frame(data: bytes) -> bytes:
+    """4-byte big-endian length, then the bytes."""
+    if len(data) >= 2**32:
+        raise ValueError("field too long to frame")
+    return len(data).to_bytes(4, "big") + data
+
+
+def framed_salt(key: SaltKey | bytes | bytearray | None, fields: Sequence[str]) -> str:
+    """`"fak1-" + base64url(HMAC-SHA256(K, frame(f1) ‖ frame(f2) ‖ …))`, fields UTF-8."""
+    secret = as_salt_key(key).secret
+    message = b"".join(frame(field.encode("utf-8")) for field in fields)
+    digest = hmac.new(secret, message, hashlib.sha256).digest()
+    return SALT_PREFIX + base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+
+def epoch_text(epoch: int) -> str:
+    """The documented epoch encoding: decimal string of a non-negative int."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int):
+        raise TypeError(f"epoch must be an int, not {type(epoch).__name__}")
+    if epoch < 0:
+        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    return str(epoch)
+
+
+def tenant_salt(key: SaltKey | bytes | bytearray | None, tenant: str, epoch: int) -> str:
+    """The cache salt of `tenant` at `epoch` (SEC-1)."""
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError("tenant must be a non-empty string")
+    return framed_salt(key, (SALT_DOMAIN, tenant, epoch_text(epoch)))
+
+
+def validate_vllm_cache_salt(salt: object) -> str | None:
+    """vLLM 0.32.0's `cache_salt` rule: the error message it would answer, or None if valid.
+
+    Absent (None) is valid. Non-strings and "" get the non-empty message (vLLM checks this
+    before field typing, without stripping); then ≤ 128 characters and no `@ / \\ NUL`.
+    """
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        return VLLM_SALT_NOT_NONEMPTY
+    if len(salt) > VLLM_SALT_MAX_CHARS or any(c in salt for c in VLLM_SALT_FORBIDDEN):
+        return VLLM_SALT_BAD_FORMAT
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSaltField:
+    """Where a client-supplied salt input sits in a request body: the key path."""
+
+    path: tuple[str | int, ...]
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(str(part) for part in self.path)
+
+
+def find_client_salts(body: Mapping[str, Any]) -> tuple[ClientSaltField, ...]:
+    """Every salt alias in `body`: at top level, and at any depth inside the containers.
+
+    Keys match case-insensitively. Other fields (`messages`, `tools`, `response_format`) are
+    not searched, so a tool parameter that happens to be named `cache_salt` is not a hit.
+    """
+    if not isinstance(body, Mapping):
+        raise TypeError("request body must be a JSON object")
+    found: list[ClientSaltField] = []
+    stack: list[tuple[tuple[str | int, ...], Any]] = []
+    for key, value in body.items():
+        name = str(key).lower()
+        if name in CLIENT_SALT_KEYS:
+            found.append(ClientSaltField((key,)))
+        elif name in CLIENT_SALT_CONTAINERS:
+            stack.append(((key,), value))
+    while stack:
+        path, value = stack.pop()
+        children = (
+            value.items()
+            if isinstance(value, Mapping)
+            else (enumerate(value) if isinstance(value, list) else ())
+        )
+        for key, child in children:
+            if isinstance(key, str) and key.lower() in CLIENT_SALT_KEYS:
+                found.append(ClientSaltField((*path, key)))
+            else:
+                stack.append(((*path, key), child))
+    return tuple(sorted(found, key=lambda f: f.dotted))
+
+
+def strip_client_salts(
+    body: Mapping[str, Any],
+) -> tuple[dict[str, Any], tuple[ClientSaltField, ...]]:
+    """A new dict without the fields `find_client_salts` reports, and those fields.
+
+    The input is not modified; subtrees holding no salt are shared, not copied.
+    """
+    found = find_client_salts(body)
+    return dict(_without_paths(body, {f.path for f in found}, ())), found
+
+
+def _without_paths(value: Any, paths: set[tuple[str | int, ...]], here: tuple) -> Any:
+    if not any(p[: len(here)] == here for p in paths):
+        return value
+    if isinstance(value, Mapping):
+        return {
+            k: _without_paths(v, paths, (*here, k))
+            for k, v in value.items()
+            if (*here, k) not in paths
+        }
+    if isinstance(value, list):
+        return [_without_paths(v, paths, (*here, i)) for i, v in enumerate(value)]
+    return value
+
+
+def find_client_salt_headers(header_names: Iterable[str]) -> tuple[str, ...]:
+    """The header names (as given) that would pick a namespace upstream."""
+    return tuple(name for name in header_names if name.lower() in CLIENT_SALT_HEADERS)
