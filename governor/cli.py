@@ -21,11 +21,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="create the salt key in data_dir if it is missing")
 
 
+def _add_audit(sub: argparse._SubParsersAction) -> None:
+    audit = sub.add_parser("audit", help="verify the audit log, export signed checkpoints")
+    asub = audit.add_subparsers(dest="audit_command", required=True, metavar="ACTION")
+    verify = asub.add_parser("verify", help="verify LOG end to end; name the first bad index")
+    verify.add_argument("log")
+    verify.add_argument("--anchor", help="a signed checkpoint kept elsewhere (JSON file)")
+    checkpoint = asub.add_parser("checkpoint", help="print the latest signed checkpoint")
+    checkpoint.add_argument("--data-dir", default="./fak-data")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fak", description="Governance sidecar for LLM "
                                      "serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
+    _add_audit(sub)
     return parser
 
 
@@ -36,6 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from governor.serve import cmd_serve
 
             return cmd_serve(args.config, args.host, args.port, args.data_dir, args.init_key)
+        if args.command == "audit":
+            from governor.audit_log import cmd_audit_checkpoint, cmd_audit_verify
+
+            if args.audit_command == "verify":
+                return cmd_audit_verify(args.log, args.anchor)
+            return cmd_audit_checkpoint(args.data_dir)
     except (ConfigError, StartupRefused) as exc:
         print(f"fak: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,91 @@
+"""Tenant configuration and operator capability declarations (the governor's TOML contract).
+
+The TOML key for a tenant's class is `class` (a Python keyword), hence `tenant_class` here
+and `to_toml_dict` / `from_toml_dict` for the document form that `schemas/json/
+tenant_config.json` describes. Determinism stays the operator's text: the policy parses it
+and anything it does not know means `unavailable` (design §3).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+HEX64 = re.compile(r"[0-9a-f]{64}")
+TENANT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+TENANT_CLASSES = ("interactive", "standard", "batch", "background")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """One `[[tenants]]` entry. Keys are stored only as SHA-256 hex digests."""
+
+    id: str
+    api_key_sha256: tuple[str, ...]
+    tenant_class: str = "standard"
+    max_concurrency: int = 16
+    max_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.id, str) and TENANT_ID.fullmatch(self.id) is not None,
+                 f"tenant id must match {TENANT_ID.pattern}, got {self.id!r}")
+        _require(isinstance(self.api_key_sha256, tuple) and len(self.api_key_sha256) > 0,
+                 f"tenant {self.id}: api_key_sha256 must be a non-empty tuple of digests")
+        for digest in self.api_key_sha256:
+            _require(isinstance(digest, str) and HEX64.fullmatch(digest) is not None,
+                     f"tenant {self.id}: api_key_sha256 entries must be 64 lowercase hex")
+        _require(self.tenant_class in TENANT_CLASSES,
+                 f"tenant {self.id}: class must be one of {TENANT_CLASSES}")
+        _require(_positive_int(self.max_concurrency) and _positive_int(self.max_tokens),
+                 f"tenant {self.id}: max_concurrency and max_tokens must be ints ≥ 1")
+
+    def to_toml_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "api_key_sha256": list(self.api_key_sha256),
+                "class": self.tenant_class, "max_concurrency": self.max_concurrency,
+                "max_tokens": self.max_tokens}
+
+    @classmethod
+    def from_toml_dict(cls, raw: dict[str, Any]) -> TenantConfig:
+        known = {"id", "api_key_sha256", "class", "max_concurrency", "max_tokens"}
+        unknown = set(raw) - known
+        _require(not unknown, f"[[tenants]] unknown key(s): {sorted(unknown)}")
+        values = {("tenant_class" if k == "class" else k): v for k, v in raw.items()}
+        keys = values.get("api_key_sha256")
+        values["api_key_sha256"] = tuple(keys) if isinstance(keys, list) else keys
+        return cls(**values)
+
+
+def check_tenants_unique(tenants: Iterable[TenantConfig]) -> None:
+    """What JSON Schema cannot say: ids unique, and no key digest shared by two entries."""
+    tenants = list(tenants)
+    ids = [t.id for t in tenants]
+    _require(len(ids) == len(set(ids)), "tenant ids must be unique")
+    digests = [d for t in tenants for d in t.api_key_sha256]
+    _require(len(digests) == len(set(digests)), "an API key digest is listed twice")
+
+
+@dataclass(frozen=True, slots=True)
+class CapabilityDeclaration:
+    """`[engine.declare]`: what the operator says a ridden engine was started with. Each
+    claim is probed at start-up; a declared capability that fails its probe is refused."""
+
+    priority_scheduling: bool = False
+    prefix_reset: bool = False
+    prompt_tokens_details: bool = False
+    determinism: str = "unavailable"
+
+    def __post_init__(self) -> None:
+        for name in ("priority_scheduling", "prefix_reset", "prompt_tokens_details"):
+            _require(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+        _require(isinstance(self.determinism, str), "determinism must be a string")
