@@ -19,40 +19,21 @@ prefix-cache state; otherwise the verdict is "NOT COMPARABLE" with the reasons.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-VERDICT_COMPARABLE = "COMPARABLE"
-VERDICT_NOT_COMPARABLE = "NOT COMPARABLE"
-
-
-class ArmClass(enum.StrEnum):
-    TUNED = "tuned"
-    DIAGNOSTIC = "diagnostic"
-    COLD_START = "cold_start"
+from schemas.bench import (
+    VERDICT_COMPARABLE,
+    VERDICT_NOT_COMPARABLE,
+    ArmClass,
+    CompileCacheState,
+    PrefixCacheStart,
+)
 
 
 def _severity(classification: ArmClass) -> int:
     return (ArmClass.TUNED, ArmClass.DIAGNOSTIC, ArmClass.COLD_START).index(classification)
-
-
-class CompileCacheState(enum.StrEnum):
-    """Compile/JIT cache at the start of the arm. `not_applicable`: the engine compiles nothing."""
-
-    WARM = "warm"
-    COLD = "cold"
-    DISABLED = "disabled"
-    NOT_APPLICABLE = "not_applicable"
-
-
-class PrefixCacheStart(enum.StrEnum):
-    """Prefix cache before the measured run (benchmarking §5)."""
-
-    FLUSHED = "flushed"  # flushed, then verified empty
-    WARM_DISJOINT = "warm_disjoint"  # warmed only with prompts outside the measured set
-    CONTAMINATED = "contaminated"  # holds prompts of the measured set
 
 
 @dataclass(frozen=True, slots=True)
