@@ -1,0 +1,127 @@
+"""The in-process driver over the native engine (design §4)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from native_engine.async_engine import AsyncLLMEngine
+from native_engine.config import EngineConfig
+from native_engine.engine import EngineStats, LLMEngine
+from native_engine.openai_serving import OpenAIServing, ServingConfig
+from schemas.engine import (
+    Determinism,
+    EngineCapabilities,
+    EngineError,
+    EngineRequest,
+    StreamChunk,
+    Usage,
+)
+
+SERVED_MODEL_NAME = "smollm2"
+
+
+@dataclass(frozen=True, slots=True)
+class NativeDriverConfig:
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
+        num_blocks=2048, max_model_len=2048, scheduling_policy="priority"))
+    served_model_name: str = SERVED_MODEL_NAME
+
+    @classmethod
+    def from_section(cls, section: Any) -> NativeDriverConfig:
+        """From the governor's `[engine]` section (kind = "native")."""
+        base = cls().engine
+        engine = EngineConfig(
+            block_size=base.block_size,
+            num_blocks=section.num_blocks or base.num_blocks,
+            max_model_len=section.max_model_len,
+            scheduling_policy="priority",
+            model=section.model,
+        )
+        return cls(engine=engine)
+
+
+def usage_of(data: dict[str, Any]) -> Usage | None:
+    usage = data.get("usage")
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    return Usage(usage["prompt_tokens"], usage["completion_tokens"], details.get("cached_tokens"))
+
+
+class NativeDriver:
+    """Runs the native engine in this process; capabilities are what it implements."""
+
+    def __init__(self, config: NativeDriverConfig | None = None,
+                 engine: LLMEngine | None = None) -> None:
+        self.config = config or NativeDriverConfig()
+        self._engine = engine
+        self.engine: AsyncLLMEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self._last_stats: EngineStats | None = None
+        self.capabilities = EngineCapabilities(
+            engine_kind="native", model_id=self.config.served_model_name,
+            max_model_len=self.config.engine.model_len, block_size=self.config.engine.block_size,
+            cache_salt=True, priority_scheduling=True, exact_span_evict=True,
+            prefix_reset=True, cached_tokens_in_usage=True,
+            determinism=Determinism.UNAVAILABLE,
+        )
+
+    async def start(self) -> None:
+        engine = self._engine or await asyncio.to_thread(LLMEngine.from_config,
+                                                         self.config.engine)
+        self.engine = AsyncLLMEngine(engine)
+        await self.engine.start()
+        runner = engine.runner
+        self.serving = OpenAIServing(
+            self.engine, runner.tokenizer, runner.chat_template,
+            ServingConfig(self.config.served_model_name, engine.max_model_len))
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+
+    def _serving(self) -> OpenAIServing:
+        if self.serving is None or self.engine is None or not self.engine.is_alive:
+            raise EngineError(503, "the native engine is not running",
+                              type="ServiceUnavailableError")
+        return self.serving
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+        serving = self._serving()
+        body = dict(request.body)
+        body.pop("cache_salt", None)
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
+        body["priority"] = request.priority or 0
+        async for data in serving.run(request.route, body,
+                                      request.request_id or uuid.uuid4().hex):
+            if data is None:
+                yield StreamChunk(None, done=True)
+            else:
+                yield StreamChunk(data, usage=usage_of(data))
+
+    async def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_alive
+
+    async def models(self) -> dict[str, Any]:
+        return self._serving().models(self.config.engine.model or "embedded:SmolLM2-135M")
+
+    async def serving_metrics(self) -> dict[str, float | None]:
+        if self.engine is None or not self.engine.is_alive:
+            return {}
+        stats = await self.engine.stats()
+        prev, self._last_stats = self._last_stats, stats
+        queries = stats.prefix_query_tokens - (prev.prefix_query_tokens if prev else 0)
+        hits = stats.prefix_hit_tokens - (prev.prefix_hit_tokens if prev else 0)
+        return {
+            "running": stats.num_running, "waiting": stats.num_waiting,
+            "kv_usage": stats.kv_usage, "prefix_cache_queries": stats.prefix_query_tokens,
+            "prefix_cache_hits": stats.prefix_hit_tokens,
+            "prefix_cache_hit_ratio": hits / queries if queries else None,
+            "preemptions": stats.num_preemptions, "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generation_tokens,
+        }
