@@ -31,11 +31,32 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     checkpoint.add_argument("--data-dir", default="./fak-data")
 
 
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="print one completion from the native engine")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--model", help="GGUF file or HF directory (default: the embedded model)")
+    p.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="model utilities")
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    export = msub.add_parser("export-hf", help="write the loaded model as an HF directory")
+    export.add_argument("outdir")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fak", description="Governance sidecar for LLM "
                                      "serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
+    _add_generate(sub)
+    _add_model(sub)
     _add_audit(sub)
     return parser
 
@@ -47,6 +68,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from governor.serve import cmd_serve
 
             return cmd_serve(args.config, args.host, args.port, args.data_dir, args.init_key)
+        if args.command == "generate":
+            from native_engine.generate_cli import cmd_generate
+
+            return cmd_generate(args.prompt, args.chat, args.max_tokens, args.temperature,
+                                args.seed, args.model, args.attention_backend, args.device)
+        if args.command == "model":
+            from native_engine.export_hf import cmd_export_hf
+
+            return cmd_export_hf(args.outdir)
         if args.command == "audit":
             from governor.audit_log import cmd_audit_checkpoint, cmd_audit_verify
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import signal
 from dataclasses import replace
@@ -14,10 +15,19 @@ from aiohttp import web
 from adapters.driver import EngineDriver
 from governor.app import build_app
 from governor.auth import sha256_hex
-from governor.config import GovernorConfig, ServerConfig, TenantConfig, load_config, parse_config
+from governor.config import (
+    EngineSection,
+    GovernorConfig,
+    ServerConfig,
+    TenantConfig,
+    load_config,
+    parse_config,
+)
 from governor.secrets import StartupRefused, TenantEpochs, load_salt_key
 from governor.state import Governor
 from policies.salts import SaltKey, SaltKeyError
+
+log = logging.getLogger("fak.serve")
 
 
 def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
@@ -36,9 +46,32 @@ def build_driver(config: GovernorConfig) -> EngineDriver:
         from adapters.native import NativeDriver, NativeDriverConfig
 
         return NativeDriver(NativeDriverConfig.from_section(config.engine))
-    from adapters.vllm.driver import build_vllm_driver
-
     return build_vllm_driver(config.engine)
+
+
+def build_vllm_driver(section: EngineSection) -> EngineDriver:
+    """The ridden vLLM: HTTP driver, KV-event subscriber when configured, dev-mode reset
+    client only when the operator declares it (every call logged)."""
+    from adapters.vllm.capabilities import VLLMDeclarations
+    from adapters.vllm.dev_control import DevControlConfig, VLLMDevControl
+    from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
+    from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
+
+    assert section.base_url is not None  # the config schema requires it for kind = "vllm"
+    declare = section.declare
+    declared = VLLMDeclarations(
+        priority_scheduling=declare.priority_scheduling, dev_mode_reset=declare.prefix_reset,
+        prompt_tokens_details=declare.prompt_tokens_details, determinism=declare.determinism,
+        served_model=section.model)
+    kv = None
+    if section.kv_events:
+        kv = KVEventSubscriber(KVSubscriberConfig(endpoint=section.kv_events,
+                                                  replay_endpoint=section.kv_replay))
+    dev = None
+    if declare.prefix_reset:
+        dev = VLLMDevControl(DevControlConfig(section.base_url, enabled=True),
+                             lambda call: log.warning("dev-mode control call: %s", call))
+    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev)
 
 
 def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:

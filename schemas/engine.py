@@ -88,9 +88,11 @@ class StreamChunk:
     usage: Usage | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False)
 class EngineError(Exception):
-    """An OpenAI-style error from (or about) the engine, with the HTTP status to answer."""
+    """An OpenAI-style error from (or about) the engine, with the HTTP status to answer.
+
+    Not frozen and without slots: Python must be able to set `__traceback__` on it."""
 
     status: int
     message: str

@@ -1,0 +1,246 @@
+"""`VLLMDriver`: the EngineDriver over a vLLM server's OpenAI-compatible HTTP surface.
+
+Every generation request carries the governor's `cache_salt` (a request without one is
+refused before sending); `priority` is sent only when the engine declared priority
+scheduling, and a client-supplied one is always dropped. Streams are relayed one SSE event per
+chunk. Upstream errors keep vLLM's status and error JSON; transport failures become 502/504.
+Closing the generator (client disconnect) closes the upstream response, which makes vLLM
+abort the request. Redirects are never followed (they could leave the allowlist).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+from httpx_sse import EventSource, SSEError
+
+from schemas.engine import EngineCapabilities, EngineError, EngineRequest, StreamChunk
+
+from .capabilities import VLLMDeclarations, probe_capabilities
+from .dev_control import VLLMDevControl
+from .kv_subscriber import KVEventSubscriber
+from .metrics import MetricsParseError, MetricsScrapeError, MetricsSnapshot, scrape, serving_metrics
+from .sse import MalformedUpstreamError, chunk_from_body, chunk_from_event_data
+from .upstream_errors import error_from_body, timed_out, unavailable
+from .urls import EngineURLs
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMHTTPConfig:
+    """How to reach the engine.
+
+    `first_byte_timeout_s` bounds the wait for the response head and, for streams, the first
+    SSE event; a non-streaming response arrives whole, so it bounds the whole generation
+    there. `total_timeout_s` bounds every upstream read of one request from its start.
+    """
+
+    base_url: str
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 300.0
+    total_timeout_s: float = 900.0
+    api_key: str | None = None
+    max_connections: int = 512
+
+    def __post_init__(self) -> None:
+        EngineURLs(self.base_url)
+        if min(self.connect_timeout_s, self.first_byte_timeout_s, self.total_timeout_s) <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.first_byte_timeout_s > self.total_timeout_s:
+            raise ValueError("first_byte_timeout_s cannot exceed total_timeout_s")
+        if self.max_connections <= 0:
+            raise ValueError("max_connections must be positive")
+
+
+def forwarded_body(
+    request: EngineRequest, priority_scheduling: bool, model_id: str
+) -> dict[str, Any]:
+    """The body vLLM receives: ours for salt, priority and stream, the client's otherwise."""
+    if not request.cache_salt:
+        raise EngineError(status=500, message="refusing to forward a request without a cache salt")
+    body = {k: v for k, v in request.body.items() if k not in ("cache_salt", "priority")}
+    body["cache_salt"] = request.cache_salt
+    body["stream"] = request.stream
+    body.setdefault("model", model_id)
+    if priority_scheduling and request.priority is not None:
+        body["priority"] = request.priority
+    return body
+
+
+class VLLMDriver:
+    """EngineDriver for a ridden vLLM. `start()` probes capabilities unless given."""
+
+    def __init__(
+        self,
+        config: VLLMHTTPConfig,
+        declarations: VLLMDeclarations | None = None,
+        *,
+        capabilities: EngineCapabilities | None = None,
+        kv: KVEventSubscriber | None = None,
+        reset_route: VLLMDevControl | None = None,
+    ) -> None:
+        self.config = config
+        self.urls = EngineURLs(config.base_url)
+        self._declarations = declarations or VLLMDeclarations()
+        self._given_capabilities = capabilities
+        self.kv = kv
+        self.dev_control = reset_route
+        self._client: httpx.AsyncClient | None = None
+        self._last_metrics: MetricsSnapshot | None = None
+        self.capabilities = capabilities or EngineCapabilities(
+            engine_kind="vllm", model_id="", notes=("not probed",)
+        )
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=self.config.connect_timeout_s,
+                read=None,
+                write=self.config.connect_timeout_s,
+                pool=self.config.first_byte_timeout_s,
+            ),
+            limits=httpx.Limits(max_connections=self.config.max_connections),
+            headers=headers,
+            follow_redirects=False,
+            trust_env=False,
+        )
+        if self.kv is not None:
+            await self.kv.start()
+        if self._given_capabilities is None:
+            self.capabilities = await probe_capabilities(
+                self._client, self.urls, self._declarations, self.kv, self.dev_control
+            )
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        if self.kv is not None:
+            await self.kv.close()
+
+    def _require_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineError(
+                status=503, message="vLLM driver not started", type="ServiceUnavailable"
+            )
+        return self._client
+
+    async def ready(self) -> bool:
+        endpoint = self.urls.health()
+        try:
+            response = await self._require_client().request(endpoint.method, endpoint.url)
+        except (httpx.HTTPError, EngineError):
+            return False
+        return response.status_code == 200
+
+    async def models(self) -> dict[str, Any]:
+        endpoint = self.urls.models()
+        deadline = asyncio.get_running_loop().time() + self.config.first_byte_timeout_s
+        response = await _guarded(
+            self._require_client().request(endpoint.method, endpoint.url), deadline
+        )
+        if response.status_code != 200:
+            raise error_from_body(response.status_code, response.content)
+        try:
+            return chunk_from_body(response.content).data or {}
+        except MalformedUpstreamError as exc:
+            raise unavailable(str(exc)) from exc
+
+    async def serving_metrics(self) -> dict[str, float | None]:
+        """Normalised metrics over the window since the previous call (first: since start)."""
+        try:
+            snapshot = await scrape(
+                self._require_client(), self.urls, self.capabilities.model_id or None
+            )
+        except (MetricsScrapeError, MetricsParseError) as exc:
+            raise unavailable(f"metrics: {exc}") from exc
+        window = serving_metrics(snapshot, self._last_metrics)
+        self._last_metrics = snapshot
+        return dataclasses.asdict(window)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+        client = self._require_client()
+        endpoint = self.urls.generation(request.route)
+        body = forwarded_body(
+            request, self.capabilities.priority_scheduling, self.capabilities.model_id
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.total_timeout_s
+        first_byte = min(deadline, loop.time() + self.config.first_byte_timeout_s)
+        upstream = client.build_request(
+            endpoint.method, endpoint.url, json=body, headers={"X-Request-Id": request.request_id}
+        )
+        response = await _guarded(client.send(upstream, stream=True), first_byte)
+        try:
+            if response.status_code != 200:
+                raise _status_error(
+                    response.status_code, await _guarded(response.aread(), deadline)
+                )
+            if not request.stream:
+                yield _decoded(chunk_from_body, await _guarded(response.aread(), first_byte))
+                return
+            async with contextlib.aclosing(_relay_sse(response, first_byte, deadline)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            await response.aclose()
+
+
+def _status_error(status: int, raw: bytes) -> EngineError:
+    if 300 <= status < 400:
+        return unavailable(f"unexpected redirect ({status}); redirects are not followed")
+    return error_from_body(status, raw)
+
+
+def _decoded(decode: Any, raw: Any) -> StreamChunk:
+    try:
+        return decode(raw)
+    except MalformedUpstreamError as exc:
+        raise unavailable(str(exc)) from exc
+
+
+async def _relay_sse(
+    response: httpx.Response, first_byte: float, deadline: float
+) -> AsyncIterator[StreamChunk]:
+    """One chunk per SSE data event, through `[DONE]`; a stream cut short is a 502."""
+    events = EventSource(response).aiter_sse()
+    waiting_for = first_byte
+    try:
+        while True:
+            event = await _guarded(anext(events, None), waiting_for)
+            waiting_for = deadline
+            if event is None:
+                raise unavailable("stream ended without [DONE]")
+            if not event.data:
+                continue
+            chunk = _decoded(chunk_from_event_data, event.data)
+            yield chunk
+            if chunk.done:
+                return
+    except SSEError as exc:
+        raise unavailable(f"not an SSE stream: {exc}") from exc
+    finally:
+        await events.aclose()
+
+
+async def _guarded(awaitable: Awaitable[T], deadline: float) -> T:
+    """Await an upstream step by `deadline`, mapping transport failures to EngineError."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await awaitable
+    except TimeoutError as exc:
+        raise timed_out("no answer within the configured timeout") from exc
+    except httpx.ConnectTimeout as exc:
+        raise timed_out(f"connect: {exc!r}") from exc
+    except httpx.TimeoutException as exc:
+        raise timed_out(repr(exc)) from exc
+    except httpx.TransportError as exc:
+        raise unavailable(repr(exc)) from exc

@@ -1,0 +1,232 @@
+"""What one engine rank holds in its prefix cache, rebuilt from KV events (design §5).
+
+Each resident block hash maps to its parent, its namespace (the `cache_salt` read from block
+0's `extra_keys`, inherited down the parent chain; later blocks' entries, null or not, never
+carry a salt), the media it sits on and its block size. Token ids are never kept (SEC-17).
+
+A namespace is `certain` only when it was read from a root block's `extra_keys` or inherited
+from a resident parent whose namespace was certain; a block stored under an unknown parent,
+or whose root keys cannot be attributed, is kept but marked uncertain (oracle §2.9 case 4).
+A medium of None (S1 events) counts as "GPU".
+
+Invariants (`check_integrity`): every block has at least one medium; `_by_namespace` holds
+exactly the certain blocks, each under its own namespace; `_uncertain` holds exactly the
+uncertain ones; no block is its own parent.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEDIUM = "GPU"
+_MM_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    block_hash: int
+    parent: int | None
+    namespace: str | None
+    namespace_certain: bool
+    block_size: int
+    media: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    namespace: str | None
+    certain: bool
+
+
+def salt_from_root_keys(keys: Any, lora_name: str | None) -> Attribution:
+    """The cache salt in block 0's extra keys (vllm-surfaces.md §2.7).
+
+    vLLM concatenates LoRA name + multimodal ids + salt + prompt-embeds digest. Typed keys
+    (`{"type": "cache_salt", "salt": s}` or `("cache_salt", s)`) are read directly; otherwise
+    the LoRA name, tuples, 64-hex multimodal hashes and non-strings are dropped and exactly
+    one remaining string is the salt. More than one leaves the namespace uncertain.
+    """
+    if keys is None:
+        return Attribution(None, True)
+    if not isinstance(keys, tuple | list):
+        return Attribution(None, False)
+    candidates: list[str] = []
+    lora_skipped = False
+    for key in keys:
+        if (
+            isinstance(key, dict)
+            and key.get("type") == "cache_salt"
+            and isinstance(key.get("salt"), str)
+        ):
+            return Attribution(key["salt"], True)
+        if isinstance(key, tuple | list) and len(key) == 2 and key[0] == "cache_salt":
+            return Attribution(str(key[1]), True)
+        if not isinstance(key, str) or _MM_HASH.fullmatch(key):
+            continue
+        if key == lora_name and not lora_skipped:
+            lora_skipped = True
+            continue
+        candidates.append(key)
+    if len(candidates) > 1:
+        return Attribution(None, False)
+    return Attribution(candidates[0] if candidates else None, True)
+
+
+class ShadowIndex:
+    """Block hash → BlockInfo for one engine rank. Not thread-safe; one event loop owns it."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, BlockInfo] = {}
+        self._by_namespace: dict[str | None, set[int]] = {}
+        self._uncertain: set[int] = set()
+        self.anomalies = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, block_hash: int) -> BlockInfo | None:
+        return self._blocks.get(block_hash)
+
+    def resident(self, namespace: str | None) -> frozenset[int]:
+        """Blocks certainly in `namespace` (None = requests without a salt)."""
+        return frozenset(self._by_namespace.get(namespace, ()))
+
+    def uncertain(self) -> frozenset[int]:
+        return frozenset(self._uncertain)
+
+    def namespaces(self) -> dict[str | None, int]:
+        return {ns: len(hashes) for ns, hashes in self._by_namespace.items() if hashes}
+
+    def all_blocks(self) -> frozenset[int]:
+        return frozenset(self._blocks)
+
+    def apply(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._store(event)
+        elif isinstance(event, BlockRemoved):
+            self._remove(event)
+        elif isinstance(event, AllBlocksCleared):
+            self.clear(event.medium)
+
+    def clear(self, medium: str | None = None) -> None:
+        """Drop every block (medium None) or only one medium's copies."""
+        if medium is None:
+            self._blocks.clear()
+            self._by_namespace.clear()
+            self._uncertain.clear()
+            return
+        for block_hash in list(self._blocks):
+            self._drop_medium(block_hash, medium)
+
+    def _root_attribution(self, event: BlockStored) -> Attribution:
+        if event.parent_block_hash is not None:
+            parent = self._blocks.get(event.parent_block_hash)
+            if parent is None:
+                return Attribution(None, False)
+            return Attribution(parent.namespace, parent.namespace_certain)
+        if event.extra_keys is None:  # S1/S2 carry no extra keys: the salt is unknowable
+            return Attribution(None, False)
+        return salt_from_root_keys(
+            event.extra_keys[0] if event.extra_keys else None, event.lora_name
+        )
+
+    def _store(self, event: BlockStored) -> None:
+        if len(set(event.block_hashes)) != len(event.block_hashes):
+            self.anomalies += 1
+            log.warning("BlockStored repeats a hash inside one event; ignored (oracle case 8)")
+            return
+        attribution = self._root_attribution(event)
+        medium = event.medium or DEFAULT_MEDIUM
+        parent = event.parent_block_hash
+        for block_hash in event.block_hashes:
+            self._add(block_hash, parent, attribution, event.block_size, medium)
+            parent = block_hash
+
+    def _add(
+        self, block_hash: int, parent: int | None, attribution: Attribution, size: int, medium: str
+    ) -> None:
+        if parent == block_hash:
+            self.anomalies += 1
+            return
+        known = self._blocks.get(block_hash)
+        if known is None:
+            info = BlockInfo(
+                block_hash,
+                parent,
+                attribution.namespace,
+                attribution.certain,
+                size,
+                frozenset({medium}),
+            )
+        else:
+            info = replace(known, media=known.media | {medium})
+            if (
+                attribution.certain
+                and known.namespace_certain
+                and attribution.namespace != known.namespace
+            ):
+                self.anomalies += (
+                    1  # a hash embeds its salt, so this means our attribution is wrong
+                )
+                info = replace(info, namespace=None, namespace_certain=False)
+            self._unfile(known)
+        self._blocks[block_hash] = info
+        self._file(info)
+
+    def _remove(self, event: BlockRemoved) -> None:
+        for block_hash in event.block_hashes:
+            self._drop_medium(block_hash, event.medium or DEFAULT_MEDIUM)
+
+    def _drop_medium(self, block_hash: int, medium: str) -> None:
+        known = self._blocks.get(block_hash)
+        if known is None or medium not in known.media:
+            return  # unseen hash: no-op (oracle case 9)
+        self._unfile(known)
+        remaining = known.media - {medium}
+        if remaining:
+            self._blocks[block_hash] = replace(known, media=remaining)
+            self._file(self._blocks[block_hash])
+        else:
+            del self._blocks[block_hash]
+
+    def _file(self, info: BlockInfo) -> None:
+        if info.namespace_certain:
+            self._by_namespace.setdefault(info.namespace, set()).add(info.block_hash)
+        else:
+            self._uncertain.add(info.block_hash)
+
+    def _unfile(self, info: BlockInfo) -> None:
+        if info.namespace_certain:
+            self._by_namespace.get(info.namespace, set()).discard(info.block_hash)
+        else:
+            self._uncertain.discard(info.block_hash)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError when an invariant in the module docstring does not hold."""
+        filed: set[int] = set()
+        for namespace, hashes in self._by_namespace.items():
+            for block_hash in hashes:
+                info = self._blocks.get(block_hash)
+                assert info is not None, f"namespace {namespace!r} files unknown block {block_hash}"
+                assert info.namespace_certain and info.namespace == namespace, (
+                    f"block {block_hash} misfiled"
+                )
+                assert block_hash not in filed, f"block {block_hash} filed twice"
+                filed.add(block_hash)
+        for block_hash in self._uncertain:
+            info = self._blocks.get(block_hash)
+            assert info is not None and not info.namespace_certain, (
+                f"uncertain set wrong at {block_hash}"
+            )
+        assert filed | self._uncertain == set(self._blocks), "blocks not partitioned by namespace"
+        assert not filed & self._uncertain, "block both certain and uncertain"
+        for block_hash, info in self._blocks.items():
+            assert info.block_hash == block_hash and info.media, f"block {block_hash} has no medium"
+            assert info.parent != block_hash, f"block {block_hash} is its own parent"

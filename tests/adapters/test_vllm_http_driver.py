@@ -1,0 +1,272 @@
+"""VLLMDriver over real loopback sockets against a vLLM 0.32.0 imitation; respx for edge cases."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import httpx
+import pytest
+import respx
+
+from adapters.driver import EngineDriver
+from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
+from adapters.vllm.urls import PUBLIC_SURFACES
+from schemas.engine import EngineCapabilities, EngineError, EngineRequest
+from tests.adapters.vllm_imitation import SALT_RULE, SSE_LINES, Imitation, start_imitation
+from tests.adapters.vllm_vectors import INT_RUN, http_records
+
+CAPS = EngineCapabilities(engine_kind="vllm", model_id="smollm2", cache_salt=True)
+
+
+@contextlib.asynccontextmanager
+async def running(state: Imitation, caps: EngineCapabilities | None = CAPS, **config):
+    runner, base_url = await start_imitation(state)
+    driver = VLLMDriver(VLLMHTTPConfig(base_url=base_url, **config), capabilities=caps)
+    await driver.start()
+    try:
+        yield driver
+    finally:
+        await driver.close()
+        await runner.cleanup()
+
+
+async def collect(driver: VLLMDriver, request: EngineRequest) -> list:
+    return [chunk async for chunk in driver.generate(request)]
+
+
+def req(
+    body: dict, salt: str | None = "tenant-a", *, route="completions", stream=False, priority=None
+):
+    return EngineRequest("r-1", route, body, "tenant", salt, priority=priority, stream=stream)
+
+
+@pytest.fixture
+def state() -> Imitation:
+    return Imitation()
+
+
+async def test_is_an_engine_driver(state) -> None:
+    async with running(state) as driver:
+        assert isinstance(driver, EngineDriver)
+        assert await driver.ready()
+        assert (await driver.models())["data"][0]["id"] == "smollm2"
+
+
+async def test_replays_the_recorded_run_with_salts_and_usage(state) -> None:
+    records = [r for r in http_records(INT_RUN) if "request" in r]
+    async with running(state) as driver:
+        for record in records:
+            body = {k: v for k, v in record["request"].items() if k != "cache_salt"}
+            salt = record["request"].get("cache_salt", "fak1-unsalted-probe")
+            route = "chat" if record["path"].endswith("chat/completions") else "completions"
+            request = req(body, salt, route=route)
+            if "cache_salt" not in record["request"]:
+                state.recorded[
+                    json.dumps([record["path"], body.get("prompt"), body.get("messages"), salt])
+                ] = [record]
+            (chunk,) = await collect(driver, request)
+            assert chunk.data == record["response"]
+            details = record["response"]["usage"]["prompt_tokens_details"]
+            assert chunk.usage.cached_tokens == details["cached_tokens"]
+            assert chunk.usage.prompt_tokens == record["response"]["usage"]["prompt_tokens"]
+    generation = [r for r in state.received if r[0] == "POST"]
+    assert len(generation) == len(records)
+    assert all(body["cache_salt"] and body["stream"] is False for _, _, _, body in generation)
+    assert all(headers["x-request-id"] == "r-1" for _, _, headers, _ in generation)
+    assert {(m, p) for m, p, _, _ in state.received} <= PUBLIC_SURFACES
+
+
+async def test_salt_is_ours_and_priority_only_when_declared(state) -> None:
+    record = next(
+        r for r in http_records(INT_RUN) if r.get("request", {}).get("cache_salt") == "tenant-b"
+    )
+    body = {**record["request"], "cache_salt": "client-chosen", "priority": -100}
+    async with running(state) as driver:
+        await collect(driver, req(body, "tenant-b", priority=3))
+    sent = state.received[-1][3]
+    assert sent["cache_salt"] == "tenant-b" and "priority" not in sent
+    state.recorded.clear()
+    prio_state = Imitation()
+    caps = EngineCapabilities(
+        engine_kind="vllm", model_id="smollm2", cache_salt=True, priority_scheduling=True
+    )
+    async with running(prio_state, caps) as driver:
+        await collect(driver, req(body, "tenant-b", priority=3))
+    assert prio_state.received[-1][3]["priority"] == 3
+
+
+async def test_request_without_salt_is_refused_before_sending(state) -> None:
+    async with running(state) as driver:
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}, salt=None))
+    assert err.value.status == 500 and state.received == []
+
+
+async def test_chat_stream_relayed_chunk_for_chunk(state) -> None:
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream_options": {"include_usage": True},
+    }
+    async with running(state) as driver:
+        chunks = await collect(driver, req(body, route="chat", stream=True))
+    expected = [line[len("data: ") :] for line in SSE_LINES]
+    assert [c.data for c in chunks[:-1]] == [json.loads(x) for x in expected[:-1]]
+    assert chunks[-1].done and chunks[-1].data is None and expected[-1] == "[DONE]"
+    assert chunks[0].data["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    usage_chunks = [c for c in chunks if c.usage]
+    assert len(usage_chunks) == 1 and usage_chunks[0].data["choices"] == []
+    assert (usage_chunks[0].usage.prompt_tokens, usage_chunks[0].usage.cached_tokens) == (31, 0)
+    assert state.received[-1][3]["stream"] is True
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested-error", "pre-0.10.1-flat"])
+async def test_upstream_errors_pass_through(flat: bool) -> None:
+    state = Imitation(flat_errors=flat)
+    async with running(state) as driver:
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}, salt="a/b"))
+    assert (err.value.status, err.value.type, err.value.param) == (
+        400,
+        "BadRequestError",
+        "cache_salt",
+    )
+    assert err.value.message == SALT_RULE
+
+
+async def test_unknown_model_is_a_404(state) -> None:
+    async with running(state) as driver:
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "nope", "prompt": "x"}))
+    assert (err.value.status, err.value.type) == (404, "NotFoundError")
+    assert "does not exist" in err.value.message
+
+
+async def test_refused_connection_is_a_502() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    driver = VLLMDriver(VLLMHTTPConfig(base_url=f"http://127.0.0.1:{port}"), capabilities=CAPS)
+    await driver.start()
+    try:
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        assert err.value.status == 502
+        assert not await driver.ready()
+    finally:
+        await driver.close()
+
+
+@pytest.mark.slow
+async def test_first_byte_timeout_is_a_504() -> None:
+    state = Imitation(head_delay_s=1.0)
+    async with running(state, first_byte_timeout_s=0.2, total_timeout_s=5.0) as driver:
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+    assert err.value.status == 504
+
+
+@pytest.mark.slow
+async def test_total_timeout_is_a_504_mid_stream() -> None:
+    state = Imitation(stream_delay_s=0.3)
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    async with running(state, first_byte_timeout_s=0.5, total_timeout_s=0.5) as driver:
+        got = []
+        with pytest.raises(EngineError) as err:
+            async for chunk in driver.generate(req(body, route="chat", stream=True)):
+                got.append(chunk)
+    assert err.value.status == 504 and 0 < len(got) < len(SSE_LINES)
+
+
+@pytest.mark.slow
+async def test_client_disconnect_closes_the_upstream_stream() -> None:
+    state = Imitation(stream_delay_s=0.2)
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    async with running(state) as driver:
+        stream = driver.generate(req(body, route="chat", stream=True))
+        assert (await anext(stream)).data["object"] == "chat.completion.chunk"
+        await stream.aclose()
+        await asyncio.wait_for(state.disconnected.wait(), timeout=3.0)
+
+
+async def test_connect_timeout_is_a_504() -> None:
+    async with respx.mock:
+        respx.post("http://engine:8000/v1/completions").mock(
+            side_effect=httpx.ConnectTimeout("slow")
+        )
+        driver = VLLMDriver(VLLMHTTPConfig(base_url="http://engine:8000"), capabilities=CAPS)
+        await driver.start()
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        await driver.close()
+    assert err.value.status == 504
+
+
+@pytest.mark.parametrize(
+    ("response", "stream"),
+    [
+        (httpx.Response(200, text="not json"), False),
+        (httpx.Response(200, json=[1, 2]), False),
+        (httpx.Response(200, json={"usage": {"prompt_tokens": "many"}}), False),
+        (
+            httpx.Response(200, text="data: {}\n\n", headers={"content-type": "application/json"}),
+            True,
+        ),
+        (
+            httpx.Response(200, text="data: {}\n\n", headers={"content-type": "text/event-stream"}),
+            True,
+        ),
+        (
+            httpx.Response(
+                200, text="data: nope\n\n", headers={"content-type": "text/event-stream"}
+            ),
+            True,
+        ),
+        (httpx.Response(307, headers={"location": "http://engine:8000/admin"}), False),
+        (httpx.Response(500, text="<html>boom</html>"), False),
+    ],
+    ids=[
+        "not-json",
+        "not-object",
+        "bad-usage",
+        "sse-wrong-type",
+        "no-done",
+        "bad-event",
+        "redirect",
+        "html-500",
+    ],
+)
+async def test_malformed_upstream(response: httpx.Response, stream: bool) -> None:
+    async with respx.mock:
+        route = respx.post("http://engine:8000/v1/completions").mock(return_value=response)
+        respx.get("http://engine:8000/admin").mock(return_value=httpx.Response(200))
+        driver = VLLMDriver(VLLMHTTPConfig(base_url="http://engine:8000"), capabilities=CAPS)
+        await driver.start()
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}, stream=stream))
+        await driver.close()
+    assert route.call_count == 1
+    assert err.value.status == (500 if response.status_code == 500 else 502)
+    assert "boom" in err.value.message or response.status_code != 500
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError):
+        VLLMHTTPConfig(base_url="http://h", first_byte_timeout_s=10, total_timeout_s=5)
+    with pytest.raises(ValueError):
+        VLLMHTTPConfig(base_url="http://h", connect_timeout_s=0)
+    with pytest.raises(ValueError):
+        VLLMHTTPConfig(base_url="ftp://h")
+
+
+async def test_serving_metrics_are_windowed_between_calls(state) -> None:
+    async with running(state) as driver:
+        first = await driver.serving_metrics()
+        second = await driver.serving_metrics()
+    assert first["prefix_cache_hit_ratio"] == pytest.approx(1280 / 9402)
+    assert second["prefix_cache_queries"] == 0 and second["prefix_cache_hit_ratio"] is None
+    assert second["running"] == 0

@@ -1,0 +1,117 @@
+"""adapters/vllm against the session's real vLLM 0.32.0 CPU server: all three surfaces."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import string
+import uuid
+
+import pytest
+
+from adapters.vllm.capabilities import VLLMDeclarations
+from adapters.vllm.dev_control import DevControlCall, DevControlConfig, ResetOutcome, VLLMDevControl
+from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
+from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig, SyncState
+from schemas.engine import EngineRequest
+from schemas.kv_events import AllBlocksCleared
+
+from .vllm_server import VllmServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def letters(count: int) -> str:
+    rng = random.Random(uuid.uuid4().int)
+    return " ".join(rng.choice(string.ascii_lowercase) for _ in range(count))
+
+
+def completion(server: VllmServer, prompt: str, salt: str) -> EngineRequest:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    return EngineRequest(uuid.uuid4().hex, "completions", body, "t", salt)
+
+
+async def wait_until(predicate, timeout_s: float = 15.0) -> bool:
+    for _ in range(int(timeout_s / 0.1)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.1)
+    return predicate()
+
+
+async def test_driver_subscriber_metrics_and_reset_on_real_vllm(vllm_server: VllmServer) -> None:
+    kv = KVEventSubscriber(
+        KVSubscriberConfig(
+            endpoint=vllm_server.kv_endpoint,
+            mode=vllm_server.kv_endpoint_mode,
+            replay_endpoint=vllm_server.replay_endpoint,
+            topic=vllm_server.kv_topic,
+        )
+    )
+    audit: list[DevControlCall] = []
+    reset = VLLMDevControl(DevControlConfig(vllm_server.base_url, enabled=True), audit.append)
+    declared = VLLMDeclarations(
+        priority_scheduling=True,
+        dev_mode_reset=True,
+        prompt_tokens_details=True,
+        kv_probe_timeout_s=15.0,
+    )
+    driver = VLLMDriver(VLLMHTTPConfig(vllm_server.base_url), declared, kv=kv, reset_route=reset)
+    await kv.start()
+    try:
+        await driver.start()
+        caps = driver.capabilities
+        assert (caps.model_id, caps.block_size) == (vllm_server.model, vllm_server.block_size)
+        assert caps.kv_events and caps.kv_replay and caps.prefix_reset and not caps.exact_span_evict
+
+        prompt, salt_a, salt_b = (
+            letters(200),
+            f"fak1-a-{uuid.uuid4().hex}",
+            f"fak1-b-{uuid.uuid4().hex}",
+        )
+        usages = []
+        for salt in (salt_a, salt_a, salt_b):
+            (chunk,) = [c async for c in driver.generate(completion(vllm_server, prompt, salt))]
+            usages.append(chunk.usage)
+        assert usages[0].cached_tokens == 0 and usages[1].cached_tokens > 0
+        assert usages[2].cached_tokens == 0  # another tenant's salt shares nothing
+
+        assert await wait_until(lambda: len(kv.index().resident(salt_a)) >= 2)
+        assert kv.index().resident(salt_a).isdisjoint(kv.index().resident(salt_b))
+        kv.index().check_integrity()
+        assert kv.state() is SyncState.SYNCED
+
+        chat = {
+            "model": vllm_server.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream_options": {"include_usage": True},
+        }
+        chunks = [
+            c
+            async for c in driver.generate(
+                EngineRequest("chat-1", "chat", chat, "t", salt_a, priority=1, stream=True)
+            )
+        ]
+        assert chunks[0].data["choices"][0]["delta"].get("role") == "assistant"
+        assert chunks[-1].done and any(c.usage and c.data["choices"] == [] for c in chunks)
+
+        mark = kv.watermark()
+        result = await reset.reset_prefix_cache()
+        assert (
+            result.outcome is ResetOutcome.SUCCEEDED and audit[-1].outcome is ResetOutcome.SUCCEEDED
+        )
+        (after,) = [c async for c in driver.generate(completion(vllm_server, prompt, salt_a))]
+        assert after.usage.cached_tokens == 0
+        assert await wait_until(
+            lambda: kv.watermark().seq is not None and kv.watermark().seq > (mark.seq or -1)
+        )
+        evidence = kv.evidence_since(mark)
+        assert evidence.gap_free
+        assert any(isinstance(e, AllBlocksCleared) for b in evidence.batches for e in b.events)
+
+        metrics = await driver.serving_metrics()
+        assert metrics["prefix_cache_queries"] > 0 and metrics["prefix_cache_hit_ratio"] is not None
+    finally:
+        await driver.close()
+        await kv.close()
