@@ -16,6 +16,7 @@ from governor.admission import AdmissionRejected
 from governor.state import Governor
 from governor.validation import bad_request, validate_body
 from schemas.engine import EngineError, EngineRequest, StreamChunk, Usage
+from schemas.validate import document
 
 GOVERNOR_KEY = web.AppKey("governor", Governor)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -238,7 +239,7 @@ async def handle_rotate(request: web.Request) -> web.Response:
     tenant_id = request.match_info["tenant_id"]
     if gov.config.tenant(tenant_id) is None:
         return _err(404, f"unknown tenant {tenant_id!r}", "not_found_error", "tenant_id")
-    return web.json_response(gov.rotate(tenant_id, actor="admin-api"))
+    return web.json_response(document(gov.rotate(tenant_id, actor="admin-api")))
 
 
 @web.middleware

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from adapters.driver import EngineDriver
 from governor.app import build_app
+from governor.audit_log import AuditLog, AuditLogConfig
 from governor.auth import sha256_hex
 from governor.config import (
     EngineSection,
@@ -81,7 +82,8 @@ def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: boo
         key = SaltKey(load_salt_key(data_dir, create=create_key))
     except SaltKeyError as exc:
         raise StartupRefused(str(exc)) from exc
-    return Governor(config, driver, key, TenantEpochs(data_dir))
+    audit = AuditLog.open(AuditLogConfig(data_dir))
+    return Governor(config, driver, key, TenantEpochs(data_dir), audit)
 
 
 async def run_governor(gov: Governor, server: ServerConfig) -> None:
@@ -95,13 +97,23 @@ async def run_governor(gov: Governor, server: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    checkpoints = asyncio.create_task(checkpoint_loop(gov))
     try:
         await stop.wait()
     finally:
         gov.draining = True
         await drain(gov, server.drain_timeout_s)
+        checkpoints.cancel()
         await runner.cleanup()
         await gov.driver.close()
+        gov.audit.close()
+
+
+async def checkpoint_loop(gov: Governor, every_s: float = 1.0) -> None:
+    """Sign a checkpoint when the audit log's record or time threshold is reached."""
+    while True:
+        await asyncio.sleep(every_s)
+        gov.audit.maybe_checkpoint()
 
 
 async def drain(gov: Governor, deadline_s: float) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from adapters.driver import EngineDriver
 from governor.admission import Admission
+from governor.audit_log import AuditLog, AuditLogError
 from governor.auth import Authenticator
 from governor.config import GovernorConfig, TenantConfig
 from governor.metrics import GovernorMetrics
@@ -14,6 +15,7 @@ from governor.secrets import TenantEpochs
 from governor.validation import bad_request
 from policies.priority import PriorityConfig, admission_rank, engine_priority
 from policies.salts import SaltKey, find_client_salts, strip_client_salts, tenant_salt
+from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence
 from schemas.engine import EngineError, EngineRequest
 
 
@@ -25,8 +27,9 @@ class Governor:
     """
 
     def __init__(self, config: GovernorConfig, driver: EngineDriver, salt_key: SaltKey,
-                 epochs: TenantEpochs) -> None:
+                 epochs: TenantEpochs, audit: AuditLog) -> None:
         self.config = config
+        self.audit = audit
         self.driver = driver
         self.salt_key = salt_key
         self.epochs = epochs
@@ -49,12 +52,16 @@ class Governor:
             raise EngineError(404, f"The model `{body['model']}` does not exist.",
                               type="NotFoundError", param="model")
         if find_client_salts(body):
-            if self.config.server.client_cache_salt == "reject":
-                self.metrics.client_salts.labels(tenant.id, "rejected").inc()
+            action = {"reject": "rejected", "strip": "stripped"}[
+                self.config.server.client_cache_salt]
+            self.record(AuditEvent(kind=f"client_salt_{action}", actor=tenant.id,
+                                   state=AuditState.RECORDED, tenant=tenant.id,
+                                   request_id=request_id))
+            self.metrics.client_salts.labels(tenant.id, action).inc()
+            if action == "rejected":
                 raise bad_request("cache_salt is set by the governor; do not send one",
                                   "cache_salt")
             body, _ = strip_client_salts(body)
-            self.metrics.client_salts.labels(tenant.id, "stripped").inc()
         body = {k: v for k, v in body.items() if k != "priority"}
         body["model"] = caps.model_id
         stream = bool(body.get("stream"))
@@ -80,9 +87,21 @@ class Governor:
     def release(self, tenant: TenantConfig) -> None:
         self.admission.release(tenant.id)
 
-    def rotate(self, tenant_id: str, actor: str) -> dict[str, Any]:
+    def record(self, event: AuditEvent) -> AuditRecord:
+        """Append to the audit log; if that fails nothing may proceed (SEC-18)."""
+        try:
+            return self.audit.append(event)
+        except (AuditLogError, OSError) as exc:
+            raise EngineError(503, f"the audit log cannot be written: {exc}",
+                              type="server_error") from None
+
+    def rotate(self, tenant_id: str, actor: str) -> AuditRecord:
+        """Bump the tenant's epoch: its next request gets a new salt, so nothing it cached
+        before is reachable (SEC-10)."""
         old, new = self.epochs.bump(tenant_id)
-        return {"tenant": tenant_id, "old_epoch": old, "new_epoch": new, "actor": actor}
+        return self.record(AuditEvent(kind="rotate", actor=actor, state=AuditState.RECORDED,
+                                      tenant=tenant_id, plan="salt_rotation",
+                                      evidence=Evidence(old_epoch=old, new_epoch=new)))
 
     def tenant_views(self) -> list[dict[str, Any]]:
         return [

@@ -52,7 +52,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerThre
     strict = build_governor(_config(data_dir), driver, create_key=True)
     lenient = Governor(replace(strict.config, server=replace(strict.config.server,
                                                              client_cache_salt="strip")),
-                       driver, strict.salt_key, strict.epochs)
+                       driver, strict.salt_key, strict.epochs, strict.audit)
     urls = {"strict": thread.serve(strict), "lenient": thread.serve(lenient)}
     yield thread, strict, urls
     thread.run(driver.close())
@@ -115,6 +115,8 @@ def test_sec2_client_salt_rejected_or_stripped(stack) -> None:
                    headers={"Authorization": f"Bearer {KEYS['beta']}"})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "cache_salt"
+    log = gov.config.server.data_dir / "audit.log"
+    assert '"kind":"client_salt_rejected"' in log.read_text()
     nested = {**body, "extra_body": {"cache_salt": "x"}}
     nested.pop("cache_salt")
     r = httpx.post(urls["strict"] + "/v1/completions", json=nested,
@@ -227,3 +229,15 @@ def test_admin_routes(stack) -> None:
     tenants = httpx.get(urls["strict"] + "/admin/v1/tenants", headers=admin).json()["data"]
     assert {t["id"] for t in tenants} == set(KEYS)
     assert httpx.get(urls["strict"] + "/ready").json() == {"ready": True}
+    epoch = gov.epochs.get("gamma")
+    old_salt = gov.salt_for("gamma")
+    r = httpx.post(urls["strict"] + "/admin/v1/tenants/gamma/rotate", headers=admin)
+    assert r.status_code == 200
+    record = r.json()
+    assert record["event"]["kind"] == "rotate"
+    assert record["event"]["evidence"]["new_epoch"] == epoch + 1
+    assert gov.epochs.get("gamma") == epoch + 1 and gov.salt_for("gamma") != old_salt
+    assert httpx.post(urls["strict"] + "/admin/v1/tenants/nobody/rotate",
+                      headers=admin).status_code == 404
+    log = (gov.config.server.data_dir / "audit.log").read_text()
+    assert '"kind":"rotate"' in log and old_salt not in log
