@@ -1,0 +1,85 @@
+"""EngineConfig: the one validated configuration of the native engine's mechanics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from native_engine.model_runner import RunnerConfig
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Scheduler, KV-pool and cache settings, plus what the model runner is built from.
+
+    `num_blocks` blocks of `block_size` tokens make the KV pool. One step runs at most
+    `max_num_seqs` requests and `max_num_batched_tokens` tokens; a prompt longer than the
+    remaining budget is chunked when `enable_chunked_prefill` (else it waits for a step with
+    room). `long_prefill_token_threshold` > 0 caps one request's chunk per step.
+    `max_model_len` bounds prompt + max_tokens (None: the pool size; the engine also caps it
+    at the model's position limit). `model` is a GGUF/HF path (None: the embedded model).
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_model_len: int | None = None
+    seed: int = 0
+    model: str | None = None
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.max_model_len is not None and self.max_model_len > self.pool_tokens:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the KV pool "
+                f"({self.pool_tokens} tokens)"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must cover max_model_len"
+            )
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.block_size * self.num_blocks
+
+    @property
+    def model_len(self) -> int:
+        return self.max_model_len if self.max_model_len is not None else self.pool_tokens
+
+    def runner_config(self, **overrides: Any) -> RunnerConfig:
+        """The model runner's config for this pool (block_size and num_blocks must agree)."""
+        from native_engine.model_runner import RunnerConfig
+
+        return RunnerConfig(
+            model_path=self.model,
+            dtype=self.dtype,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            attention_backend=self.attention_backend,
+            device=self.device,
+            **overrides,
+        )

@@ -1,0 +1,373 @@
+"""LLMEngine: the synchronous step loop (schedule → copy reused tails → forward → sample →
+detokenise → finish), over a model runner that owns the paged KV tensors.
+
+Stop handling follows vLLM: an EOS (unless `ignore_eos`) or a listed stop token id ends the
+request and stays in `token_ids` but not in the text; a stop string ends it and is cut from
+the text; `max_tokens` or `max_model_len` ends it with reason "length". While a request runs,
+its text delta holds back the last (longest stop string - 1) characters and any incomplete
+UTF-8 sequence, so no emitted text is ever retracted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from native_engine.block_pool import BlockPool
+from native_engine.config import EngineConfig
+from native_engine.radix_cache import CacheEventListener, RadixCache
+from native_engine.request import Request, RequestStatus, SamplingParams
+from native_engine.sampler import Sample, sample
+from native_engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from native_engine.weights import LoadedModel
+
+
+class Runner(Protocol):
+    """The model side (native_engine.model_runner.ModelRunner)."""
+
+    def execute(self, batch: Any) -> torch.Tensor: ...
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+
+class Detokenizer(Protocol):
+    stop_token_ids: tuple[int, ...]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    cached_tokens: int
+    stop_reason: str | int | None = None
+    logprobs: tuple[Sample, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CompletedRequest:
+    """The whole result of one request (from `generate`)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters (monotonic) and gauges for metrics."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_steps: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        tokenizer: Detokenizer | None = None,
+        listener: CacheEventListener | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.cache = RadixCache(self.pool, listener) if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(config, self.pool, self.cache)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = frozenset(tokenizer.stop_token_ids if tokenizer else ())
+        model_config = getattr(runner, "model_config", None)
+        self.vocab_size: int | None = getattr(model_config, "vocab_size", None)
+        runner_len = getattr(runner, "max_model_len", None)
+        self.max_model_len = min(config.model_len, runner_len or config.model_len)
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._steps = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngineConfig,
+        listener: CacheEventListener | None = None,
+        loaded: LoadedModel | None = None,
+    ) -> LLMEngine:
+        """Load the model named by `config.model` (None: the embedded one; `loaded`: an
+        already loaded one) and build the engine over it."""
+        from native_engine.model_runner import ModelRunner
+
+        runner = ModelRunner(config.runner_config(), loaded)
+        return cls(config, runner, runner.tokenizer, listener)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {params.priority} but Priority scheduling is not enabled."
+            )
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token id out of range (vocab size {self.vocab_size})")
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self._prompt_tokens += req.num_prompt_tokens
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request (no more outputs for it); False if it is unknown or finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            if self.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("no request can be scheduled although the pool is idle")
+            return []
+        self._steps += 1
+        if plan.copy_src:
+            self.runner.copy_slots(
+                torch.tensor(plan.copy_src, dtype=torch.int64),
+                torch.tensor(plan.copy_dst, dtype=torch.int64),
+            )
+        logits = self.runner.execute(self._build_batch(plan))
+        self.scheduler.advance(plan)
+        # A request samples once all its tokens have KV; a partial prefill chunk samples nothing.
+        rows = [
+            i for i, (r, _) in enumerate(plan.scheduled) if r.num_computed_tokens == r.num_tokens
+        ]
+        if not rows:
+            return []
+        reqs = [plan.scheduled[i][0] for i in rows]
+        samples = sample(
+            logits[rows],
+            [r.params for r in reqs],
+            [r.generator or self.default_generator for r in reqs],
+        )
+        return [self._append(r, s) for r, s in zip(reqs, samples, strict=True)]
+
+    def _build_batch(self, plan: SchedulerOutput) -> Any:
+        from native_engine.model_runner import RunnerBatch
+
+        return build_batch(plan, self.pool, RunnerBatch)
+
+    def _append(self, req: Request, s: Sample) -> RequestOutput:
+        req.token_ids.append(s.token_id)
+        self._generation_tokens += 1
+        status = self._check_stop_token(req, s.token_id)
+        delta = self._detokenize(req, status)
+        if req.stop_reason is not None and isinstance(req.stop_reason, str):
+            status = RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            self.scheduler.finish(req, status)
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=(s.token_id,),
+            text_delta=delta,
+            finished=req.is_finished,
+            finish_reason=req.status.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            cached_tokens=req.num_cached_tokens,
+            stop_reason=req.stop_reason,
+            logprobs=(s,) if s.logprob is not None else (),
+        )
+
+    def _check_stop_token(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _detokenize(self, req: Request, status: RequestStatus | None) -> str:
+        """Update the request's text; returns the newly releasable text."""
+        if self.tokenizer is None:
+            return ""
+        ids = req.output_token_ids
+        if status is RequestStatus.FINISHED_STOPPED:
+            ids = ids[:-1]  # the stop/EOS token is not text
+        text = self.tokenizer.decode(ids)
+        stops = req.params.stop
+        if stops:
+            search_from = max(0, len(req.output_text) - max(map(len, stops)))
+            hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+            if hits:
+                cut = min(hits)
+                req.stop_reason = next(s for s in stops if text.find(s, search_from) == cut)
+                text, status = text[:cut], RequestStatus.FINISHED_STOPPED
+        req.output_text = text
+        hold = 0
+        if status is None:
+            hold = max(map(len, stops), default=1) - 1
+            if text.endswith("\ufffd"):
+                hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
+        end = max(req.num_text_emitted, len(text) - hold)
+        delta = text[req.num_text_emitted : end]
+        req.num_text_emitted = end
+        return delta
+
+    # -- conveniences -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletedRequest]:
+        """Run the prompts to completion; results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        reqs = [
+            self.add_request(self._encode(p), sp) for p, sp in zip(prompts, params, strict=True)
+        ]
+        while self.has_unfinished():
+            self.step()
+        return [
+            CompletedRequest(
+                r.request_id,
+                tuple(r.prompt_token_ids),
+                tuple(r.output_token_ids),
+                r.output_text,
+                r.status.finish_reason,
+                r.num_cached_tokens,
+            )
+            for r in reqs
+        ]
+
+    def _encode(self, prompt: Sequence[int] | str) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        encode = getattr(self.tokenizer, "encode", None)
+        if encode is None:
+            raise ValueError("text prompts need a tokenizer with encode()")
+        return encode(prompt)
+
+    # -- cache control ------------------------------------------------------------------
+
+    def evict_span(self, namespace: str | None, tokens: Sequence[int], start: int) -> int:
+        """Exact-span eviction (design §5); unfinished requests on that path stop caching
+        past `start`, so the span cannot come back when they finish. Returns tokens evicted."""
+        if self.cache is None:
+            return 0
+        evicted = self.cache.evict_span(namespace, tokens, start)
+        head = list(tokens[: start + 1])
+        for req in self.requests.values():
+            if req.namespace == namespace and req.token_ids[: start + 1] == head[: req.num_tokens]:
+                req.cache_limit = start if req.cache_limit is None else min(req.cache_limit, start)
+        return evicted
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the whole prefix cache; False (nothing dropped) while requests run, as vLLM."""
+        if self.cache is None or self.scheduler.running:
+            return False
+        return self.cache.reset()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            num_preemptions=s.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.pool.usage,
+            num_steps=self._steps,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        assert all(not r.is_finished for r in self.requests.values())
+
+
+def build_batch(plan: SchedulerOutput, pool: BlockPool, batch_type: Any) -> Any:
+    """The runner's flattened batch for a plan (requests back to back, in plan order)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    context_lens: list[int] = []
+    for req, n in plan.scheduled:
+        lo, hi = req.num_computed_tokens, req.num_computed_tokens + n
+        input_ids.extend(req.token_ids[lo:hi])
+        positions.extend(range(lo, hi))
+        slots.extend(pool.slots(req.block_table, lo, hi))
+        starts.append(starts[-1] + n)
+        context_lens.append(hi)
+    width = max(len(r.block_table) for r, _ in plan.scheduled)
+    tables = torch.zeros((len(plan.scheduled), width), dtype=torch.int32)
+    for i, (req, _) in enumerate(plan.scheduled):
+        tables[i, : len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.int32)
+    return batch_type(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=tables,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+    )

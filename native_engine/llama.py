@@ -1,0 +1,208 @@
+"""Llama-family decoder over a paged KV cache (flattened varlen batch).
+
+Weights arrive in Hugging Face layout and names (see `hf_weight_shapes`); q/k/v and gate/up
+are fused at load time so each layer runs three large matmuls plus the output projections.
+Attention goes through a kernel module with the `store_kv` / `paged_attention` contract of
+`native_engine.kernels.torch_ref`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-family model (plain RoPE, RMSNorm, SiLU MLP, no biases)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads (grouped-query)")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError("rope_theta and rms_norm_eps must be positive")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LlamaConfig:
+        return cls(**data)
+
+
+def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model needs, by Hugging Face name, with its shape."""
+    h, d = config.hidden_size, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (config.num_heads * d, h)
+        shapes[p + "self_attn.k_proj.weight"] = (config.num_kv_heads * d, h)
+        shapes[p + "self_attn.v_proj.weight"] = (config.num_kv_heads * d, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, config.num_heads * d)
+        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
+    return shapes
+
+
+def check_weights(config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the first missing, unexpected or mis-shaped tensor."""
+    expected = hf_weight_shapes(config)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ValueError(f"weights missing {len(missing)} tensors, e.g. {missing[0]!r}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise ValueError(f"unexpected weight tensors, e.g. {extra[0]!r}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(weights[name].shape)}, expected {shape}")
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+    return 1.0 / (config.rope_theta ** exponents)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout). x: [T, H, D]; cos, sin: [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step paged-attention inputs (see the kernel contract)."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """The decoder; `forward` runs a flattened batch, `compute_logits` the chosen rows."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: ModuleType,
+    ) -> None:
+        check_weights(config, weights)
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.kernels = kernels
+        self.scale = config.head_dim ** -0.5
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = [self._load_layer(w, i) for i in range(config.num_layers)]
+        freqs = torch.outer(
+            torch.arange(config.max_position_embeddings, dtype=torch.float32),
+            rope_inv_freq(config),
+        )
+        self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
+        self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
+
+    @staticmethod
+    def _load_layer(w: Any, i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        return _Layer(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            o_proj=w(p + "self_attn.o_proj.weight"),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+            down=w(p + "mlp.down_proj.weight"),
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden]; stores every token's K/V on the way."""
+        cfg = self.config
+        t = input_ids.shape[0]
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        h = self.embed[input_ids]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            self.kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+            o = self.kernels.paged_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.query_start_loc,
+                attn.context_lens, self.scale,
+            )
+            h = h + F.linear(o.reshape(t, q_size), layer.o_proj)
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [R, vocab] for the given hidden rows."""
+        return F.linear(hidden, self.lm_head).float()

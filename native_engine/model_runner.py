@@ -1,0 +1,249 @@
+"""ModelRunner: the model, its paged KV caches, and one `execute` per scheduler step.
+
+KV caches are per layer `(k_cache, v_cache)`, each [num_blocks, block_size, Hkv, D] in the
+compute dtype. A slot is `block * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from native_engine.kernels import BACKENDS, select_backend
+from native_engine.llama import AttentionMetadata, LlamaModel
+from native_engine.weights import DTYPES, LoadedModel, load_model
+
+DTYPE_CHOICES = ("auto", *DTYPES)
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware has fast bf16 matmuls, float32 otherwise.
+
+    Measured on the 2-core AVX2 EPYC (no AMX, no AVX512-BF16): a [64,576]x[576,1536] matmul
+    takes ~3x longer in bf16 than in fp32, so CPUs without those units get float32.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16
+    fast_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return torch.bfloat16 if fast_bf16 else torch.float32
+
+
+def default_num_threads() -> int:
+    """One core fewer than this process may use (at least one).
+
+    Torch's OpenMP threads spin-wait on each other; when another busy thread (the server's
+    event loop, a neighbour process) takes a core, a 2-thread decode step on 2 cores ran
+    ~16x slower than a 1-thread one in our measurement, so a core is left free.
+    """
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+@dataclass
+class RunnerConfig:
+    """How to build a ModelRunner. `num_blocks` wins over `kv_cache_bytes` when both set;
+    `num_threads` None means `default_num_threads()` (torch's thread count is process-wide)."""
+
+    model_path: str | None = None
+    dtype: str = "auto"
+    num_blocks: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    block_size: int = 16
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError("num_threads must be positive")
+
+
+@dataclass(frozen=True)
+class BatchChunk:
+    """New tokens of one request: `token_ids` at positions start, start+1, ...; its KV
+    blocks in `block_table` (enough to hold positions up to start + len - 1)."""
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+
+
+@dataclass
+class RunnerBatch:
+    """One step's tokens for R requests, flattened to T tokens.
+
+    input_ids, positions, slot_mapping: [T] int64. block_tables: [R, max_blocks] int32
+    (padded with 0). query_start_loc: [R+1] int32, request r owns tokens
+    [query_start_loc[r], query_start_loc[r+1]) (at least one). context_lens: [R] int32,
+    tokens cached + new per request.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+
+    @classmethod
+    def build(cls, chunks: Sequence[BatchChunk], block_size: int) -> RunnerBatch:
+        """Assemble a batch from per-request chunks of new tokens."""
+        if not chunks:
+            raise ValueError("a batch needs at least one chunk")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        for chunk in chunks:
+            end = chunk.start + len(chunk.token_ids)
+            if -(-end // block_size) > len(chunk.block_table):
+                raise ValueError("block_table too short for the chunk's positions")
+            ids.extend(chunk.token_ids)
+            for pos in range(chunk.start, end):
+                positions.append(pos)
+                slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
+            starts.append(len(ids))
+        width = max(len(c.block_table) for c in chunks)
+        tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            context_lens=torch.tensor([c.start + len(c.token_ids) for c in chunks],
+                                      dtype=torch.int32),
+        )
+
+    def check(self, num_slots: int, max_positions: int) -> None:
+        """Raise ValueError on shapes, dtypes or indices the kernels cannot take."""
+        t = self.input_ids.shape[0]
+        r = self.context_lens.shape[0]
+        for name in ("input_ids", "positions", "slot_mapping"):
+            tensor = getattr(self, name)
+            if tensor.dtype != torch.int64 or tuple(tensor.shape) != (t,):
+                raise ValueError(f"{name} must be int64 of shape [{t}]")
+        if self.block_tables.dtype != torch.int32 or self.block_tables.dim() != 2 \
+                or self.block_tables.shape[0] != r:
+            raise ValueError(f"block_tables must be int32 of shape [{r}, max_blocks]")
+        starts = self.query_start_loc
+        if starts.dtype != torch.int32 or tuple(starts.shape) != (r + 1,):
+            raise ValueError(f"query_start_loc must be int32 of shape [{r + 1}]")
+        if self.context_lens.dtype != torch.int32:
+            raise ValueError("context_lens must be int32")
+        if t == 0 or r == 0:
+            raise ValueError("a batch needs at least one request and one token")
+        if int(starts[0]) != 0 or int(starts[-1]) != t or bool((starts.diff() <= 0).any()):
+            raise ValueError("query_start_loc must rise strictly from 0 to T")
+        if bool((self.context_lens < starts.diff()).any()):
+            raise ValueError("context_lens must cover each request's new tokens")
+        if int(self.positions.min()) < 0 or int(self.positions.max()) >= max_positions:
+            raise ValueError(f"positions must lie in [0, {max_positions})")
+        if int(self.slot_mapping.max()) >= num_slots:
+            raise ValueError(f"slot_mapping beyond the {num_slots} KV slots")
+
+
+class ModelRunner:
+    """Owns the model and KV caches; `execute` returns next-token logits per request."""
+
+    def __init__(self, config: RunnerConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        torch.set_num_threads(config.num_threads or default_num_threads())
+        self.dtype = auto_dtype(self.device) if config.dtype == "auto" else DTYPES[config.dtype]
+        loaded = loaded or load_model(config.model_path, self.dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.chat_template = loaded.chat_template
+        self.stop_token_ids = loaded.tokenizer.stop_token_ids
+        kernels = select_backend(config.attention_backend, self.device)
+        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, kernels)
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.block_bytes())
+        self.kv_caches = self._allocate_kv()
+
+    def block_bytes(self) -> int:
+        """KV bytes one block takes across all layers (K and V)."""
+        cfg = self.model_config
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def _allocate_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    def check_integrity(self) -> None:
+        """Invariant: one (K, V) pair per layer, each [num_blocks, block_size, Hkv, D] in the
+        runner's dtype on its device; the model shares that dtype and device."""
+        cfg = self.model_config
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        assert len(self.kv_caches) == cfg.num_layers
+        for pair in self.kv_caches:
+            for cache in pair:
+                assert tuple(cache.shape) == shape and cache.dtype == self.dtype
+                assert cache.device.type == self.device.type
+        assert self.model.dtype == self.dtype and self.model.embed.dtype == self.dtype
+
+    @torch.inference_mode()
+    def execute(self, batch: RunnerBatch) -> torch.Tensor:
+        """Float32 logits [R, vocab] for each request's last scheduled token."""
+        batch.check(self.num_slots, self.max_model_len)
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=batch.slot_mapping.to(dev),
+            block_tables=batch.block_tables.to(dev),
+            query_start_loc=batch.query_start_loc.to(dev),
+            context_lens=batch.context_lens.to(dev),
+        )
+        hidden = self.model.forward(batch.input_ids.to(dev), batch.positions.to(dev),
+                                    self.kv_caches, attn)
+        last_rows = batch.query_start_loc[1:].to(dev, torch.int64) - 1
+        return self.model.compute_logits(hidden[last_rows])
+
+    @torch.inference_mode()
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the KV of slots `src` into slots `dst` in every layer."""
+        if src.shape != dst.shape or src.dim() != 1:
+            raise ValueError("src and dst must be 1-D and of equal length")
+        src, dst = src.to(self.device, torch.int64), dst.to(self.device, torch.int64)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[dst] = flat[src]
+
+    @torch.inference_mode()
+    def read_slots(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, copies of (K, V) at `slots`, each [len(slots), Hkv, D]."""
+        index = slots.to(self.device, torch.int64)
+        return [
+            (k.view(-1, *k.shape[2:])[index].clone(), v.view(-1, *v.shape[2:])[index].clone())
+            for k, v in self.kv_caches
+        ]
