@@ -98,6 +98,7 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.listener = listener
         self.cache = RadixCache(self.pool, listener) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(config, self.pool, self.cache)
         self.requests: dict[str, Request] = {}
@@ -176,6 +177,16 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; the cache events it caused leave as one batch (vLLM's way)."""
+        try:
+            return self._step()
+        finally:
+            self._flush_events()
+
+    def _flush_events(self) -> int | None:
+        return self.listener.flush() if self.listener is not None else None
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             if self.has_unfinished() and not self.scheduler.running:
@@ -314,6 +325,7 @@ class LLMEngine:
         if self.cache is None:
             return 0
         evicted = self.cache.evict_span(namespace, tokens, start)
+        self._flush_events()
         head = list(tokens[: start + 1])
         for req in self.requests.values():
             if req.namespace == namespace and req.token_ids[: start + 1] == head[: req.num_tokens]:
@@ -324,7 +336,9 @@ class LLMEngine:
         """Drop the whole prefix cache; False (nothing dropped) while requests run, as vLLM."""
         if self.cache is None or self.scheduler.running:
             return False
-        return self.cache.reset()
+        cleared = self.cache.reset()
+        self._flush_events()
+        return cleared
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats

@@ -102,6 +102,11 @@ class CacheEventListener(Protocol):
 
     def on_cleared(self) -> None: ...
 
+    def flush(self) -> int | None:
+        """Publish what the notifications since the last flush described, as one batch.
+        The engine calls it once per step and after evict_span and reset."""
+        ...
+
 
 VictimChooser = Callable[[Sequence[Node], int], Sequence[Node]]
 """(evictable leaves, tokens wanted) -> leaves to drop, in order."""
