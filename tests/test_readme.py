@@ -1,0 +1,71 @@
+"""The README's examples work as written against a real `fak serve` dev setup."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.governor.server_thread import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+pytestmark = pytest.mark.slow
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_quick_start_is_exactly_two_commands() -> None:
+    start = README.index("## Quick start")
+    section = README[start:README.index("\n## ", start + 1)]
+    (block,) = re.findall(r"```\n(.*?)```", section, flags=re.S)
+    assert block.strip().splitlines() == ["make serve", "make test"]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(BIN)/fak serve" in makefile
+    assert "pytest" in makefile and "make test" in (ROOT / ".ci/run").read_text()
+
+
+def test_curl_and_openai_examples(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "governor.cli", "serve", "--port", str(port),
+         "--data-dir", str(tmp_path / "data")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        key = None
+        deadline = time.monotonic() + 600
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "API key:" in line:
+                key = line.rsplit(" ", 1)[1].strip()
+            if "serving on" in line:
+                break
+        assert key, "fak serve did not print the dev API key"
+        assert httpx.get(f"http://127.0.0.1:{port}/ready").json() == {"ready": True}
+        env = {**os.environ, "FAK_KEY": key}
+        (curl,) = [b for b in code_blocks("") if b.startswith("curl")]
+        out = subprocess.run(["bash", "-c", curl.replace("8000", str(port))], env=env,
+                             capture_output=True, text=True, timeout=300, check=True).stdout
+        assert "Paris" in json.loads(out)["choices"][0]["message"]["content"]
+        (snippet,) = code_blocks("python")
+        out = subprocess.run([sys.executable, "-c", snippet.replace("8000", str(port))],
+                             env=env, capture_output=True, text=True, timeout=300,
+                             check=True).stdout
+        assert "Paris" in out and "cached prompt tokens:" in out
+    finally:
+        proc.terminate()
+        proc.wait(60)
