@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fak-installed
+VLLM_VENV ?= .vllm-venv
 
 .PHONY: serve test lint venv
 
@@ -24,6 +25,8 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The integration stage needs a real vLLM CPU server: installed (once) into its own venv.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm.sh
+	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -p no:cacheprovider

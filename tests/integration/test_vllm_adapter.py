@@ -1,4 +1,5 @@
-"""adapters/vllm against the session's real vLLM 0.32.0 CPU server: all three surfaces."""
+"""adapters/vllm against both engines behind vLLM's surfaces — the session's real vLLM 0.32.0
+CPU server and `fak engine serve` — all three surfaces, one test for both."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig, S
 from schemas.engine import EngineRequest
 from schemas.kv_events import AllBlocksCleared
 
+from .native_server import NativeServer
 from .vllm_server import VllmServer
+
+EngineServer = VllmServer | NativeServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,7 +30,7 @@ def letters(count: int) -> str:
     return " ".join(rng.choice(string.ascii_lowercase) for _ in range(count))
 
 
-def completion(server: VllmServer, prompt: str, salt: str) -> EngineRequest:
+def completion(server: EngineServer, prompt: str, salt: str) -> EngineRequest:
     body = {"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     return EngineRequest(uuid.uuid4().hex, "completions", body, "t", salt)
 
@@ -39,29 +43,29 @@ async def wait_until(predicate, timeout_s: float = 15.0) -> bool:
     return predicate()
 
 
-async def test_driver_subscriber_metrics_and_reset_on_real_vllm(vllm_server: VllmServer) -> None:
+async def test_driver_subscriber_metrics_and_reset(engine_server: EngineServer) -> None:
     kv = KVEventSubscriber(
         KVSubscriberConfig(
-            endpoint=vllm_server.kv_endpoint,
-            mode=vllm_server.kv_endpoint_mode,
-            replay_endpoint=vllm_server.replay_endpoint,
-            topic=vllm_server.kv_topic,
+            endpoint=engine_server.kv_endpoint,
+            mode=engine_server.kv_endpoint_mode,
+            replay_endpoint=engine_server.replay_endpoint,
+            topic=engine_server.kv_topic,
         )
     )
     audit: list[DevControlCall] = []
-    reset = VLLMDevControl(DevControlConfig(vllm_server.base_url, enabled=True), audit.append)
+    reset = VLLMDevControl(DevControlConfig(engine_server.base_url, enabled=True), audit.append)
     declared = VLLMDeclarations(
         priority_scheduling=True,
         dev_mode_reset=True,
         prompt_tokens_details=True,
         kv_probe_timeout_s=15.0,
     )
-    driver = VLLMDriver(VLLMHTTPConfig(vllm_server.base_url), declared, kv=kv, reset_route=reset)
+    driver = VLLMDriver(VLLMHTTPConfig(engine_server.base_url), declared, kv=kv, reset_route=reset)
     await kv.start()
     try:
         await driver.start()
         caps = driver.capabilities
-        assert (caps.model_id, caps.block_size) == (vllm_server.model, vllm_server.block_size)
+        assert (caps.model_id, caps.block_size) == (engine_server.model, engine_server.block_size)
         assert caps.kv_events and caps.kv_replay and caps.prefix_reset and not caps.exact_span_evict
 
         prompt, salt_a, salt_b = (
@@ -71,7 +75,7 @@ async def test_driver_subscriber_metrics_and_reset_on_real_vllm(vllm_server: Vll
         )
         usages = []
         for salt in (salt_a, salt_a, salt_b):
-            (chunk,) = [c async for c in driver.generate(completion(vllm_server, prompt, salt))]
+            (chunk,) = [c async for c in driver.generate(completion(engine_server, prompt, salt))]
             usages.append(chunk.usage)
         assert usages[0].cached_tokens == 0 and usages[1].cached_tokens > 0
         assert usages[2].cached_tokens == 0  # another tenant's salt shares nothing
@@ -82,7 +86,7 @@ async def test_driver_subscriber_metrics_and_reset_on_real_vllm(vllm_server: Vll
         assert kv.state() is SyncState.SYNCED
 
         chat = {
-            "model": vllm_server.model,
+            "model": engine_server.model,
             "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 3,
             "stream_options": {"include_usage": True},
@@ -101,7 +105,7 @@ async def test_driver_subscriber_metrics_and_reset_on_real_vllm(vllm_server: Vll
         assert (
             result.outcome is ResetOutcome.SUCCEEDED and audit[-1].outcome is ResetOutcome.SUCCEEDED
         )
-        (after,) = [c async for c in driver.generate(completion(vllm_server, prompt, salt_a))]
+        (after,) = [c async for c in driver.generate(completion(engine_server, prompt, salt_a))]
         assert after.usage.cached_tokens == 0
         assert await wait_until(
             lambda: kv.watermark().seq is not None and kv.watermark().seq > (mark.seq or -1)

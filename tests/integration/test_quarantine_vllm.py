@@ -1,0 +1,134 @@
+"""SEC-10/SEC-11 on the session's real vLLM 0.32.0: the quarantine service's flush and
+rotation verified, or not, against the engine itself.
+
+- an idle flush in dev mode is VERIFIED (reset success, AllBlocksCleared after the watermark,
+  positive control hit then cached_tokens 0);
+- a flush while a long request runs is FAILED after the bounded drain, never VERIFIED;
+- a subscriber restarted without replay has lost batches: never VERIFIED;
+- without dev mode the plan is a salt rotation, VERIFIED by the probe in the new namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import string
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from adapters.vllm.capabilities import VLLMDeclarations
+from adapters.vllm.dev_control import DevControlCall, DevControlConfig, VLLMDevControl
+from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
+from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
+from governor.auth import sha256_hex
+from governor.config import parse_config
+from governor.quarantine import QuarantineRequest, QuarantineService, SpanInput
+from governor.quarantine_engines import QuarantineConfig
+from governor.serve import build_governor
+from schemas.audit import AuditState
+from schemas.engine import EngineRequest
+
+from .vllm_server import VllmServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CONFIG = QuarantineConfig(drain_timeout_s=2.0, retry_interval_s=0.25, kv_timeout_s=15.0,
+                          probe_timeout_s=120.0)
+
+
+def letters(count: int) -> str:
+    rng = random.Random(uuid.uuid4().int)
+    return " ".join(rng.choice(string.ascii_lowercase) for _ in range(count))
+
+
+@contextlib.asynccontextmanager
+async def service_on(server: VllmServer, tmp_path: Path, *, dev_mode: bool = True,
+                     replay: bool = True) -> AsyncIterator[QuarantineService]:
+    kv = KVEventSubscriber(KVSubscriberConfig(
+        endpoint=server.kv_endpoint, mode=server.kv_endpoint_mode,  # type: ignore[arg-type]
+        replay_endpoint=server.replay_endpoint if replay else None, topic=server.kv_topic))
+    calls: list[DevControlCall] = []
+    dev = VLLMDevControl(DevControlConfig(server.base_url, enabled=True), calls.append)
+    driver = VLLMDriver(VLLMHTTPConfig(server.base_url),
+                        VLLMDeclarations(dev_mode_reset=dev_mode, prompt_tokens_details=True,
+                                         priority_scheduling=True, kv_probe_timeout_s=15.0),
+                        kv=kv, reset_route=dev if dev_mode else None)
+    await driver.start()
+    config = parse_config({
+        "server": {"data_dir": str(tmp_path), "admin_token_sha256": sha256_hex("admin")},
+        "engine": {"kind": "vllm", "base_url": server.base_url},
+        "tenants": [{"id": "acme", "api_key_sha256": [sha256_hex("key-acme")]}]})
+    gov = build_governor(config, driver, create_key=True)
+    service = QuarantineService(gov, CONFIG)
+    try:
+        yield service
+        service.check_integrity()
+    finally:
+        await driver.close()
+        gov.audit.close()
+
+
+def span_request(text: str) -> QuarantineRequest:
+    return QuarantineRequest(tenant="acme", span=SpanInput(text=text), reason="sec-11-test")
+
+
+async def test_idle_flush_in_dev_mode_is_verified(vllm_server: VllmServer,
+                                                  tmp_path: Path) -> None:
+    async with service_on(vllm_server, tmp_path) as service:
+        record = await service.quarantine(span_request(letters(200)))
+    assert (record.plan, record.state) == ("whole_prefix_flush", AuditState.VERIFIED), record
+    ev = record.evidence
+    assert (ev.engine_result, ev.kv_events) == ("reset_succeeded", "all_blocks_cleared")
+    assert ev.probe_control_cached_tokens >= vllm_server.block_size
+    assert ev.probe_after_cached_tokens == 0
+    assert record.span.length > 0
+
+
+async def test_flush_during_a_long_request_is_never_verified(vllm_server: VllmServer,
+                                                             tmp_path: Path) -> None:
+    async with service_on(vllm_server, tmp_path) as service:
+        driver = service.gov.driver
+        body = {"model": vllm_server.model, "prompt": letters(20), "max_tokens": 1500,
+                "ignore_eos": True, "temperature": 0}
+        long = driver.generate(EngineRequest(uuid.uuid4().hex, "completions", body, "acme",
+                                             service.gov.salt_for("acme"), stream=True))
+        first = await anext(long)  # the long request is running from here
+        assert first.data is not None
+        try:
+            record = await service.quarantine(span_request(letters(200)))
+        finally:
+            await long.aclose()  # closes the upstream stream: vLLM aborts the request
+    assert record.state is AuditState.FAILED, record
+    assert record.evidence.engine_result == "reset_refused_requests_running"
+    assert record.evidence.probe_after_cached_tokens is None
+
+
+async def test_lost_kv_batches_are_never_verified(vllm_server: VllmServer,
+                                                  tmp_path: Path) -> None:
+    """A subscriber restarted without replay cannot fill the batches it missed."""
+    async with service_on(vllm_server, tmp_path) as warm:  # make sure vLLM has published
+        salt = warm.gov.salt_for("acme")
+        body = {"model": vllm_server.model, "prompt": letters(100), "max_tokens": 1}
+        [_ async for _ in warm.gov.driver.generate(
+            EngineRequest(uuid.uuid4().hex, "completions", body, "acme", salt))]
+        await asyncio.sleep(0.5)
+    async with service_on(vllm_server, tmp_path / "restarted", replay=False) as service:
+        record = await service.quarantine(span_request(letters(200)))
+    assert record.state is not AuditState.VERIFIED, record
+    assert record.evidence.kv_events == "kv_seq_gap"
+    assert record.state is AuditState.UNVERIFIED
+
+
+async def test_rotation_without_dev_mode_is_verified_sec10(vllm_server: VllmServer,
+                                                           tmp_path: Path) -> None:
+    async with service_on(vllm_server, tmp_path, dev_mode=False) as service:
+        record = await service.quarantine(span_request(letters(200)))
+        assert service.gov.epochs.get("acme") == 1
+    assert (record.plan, record.state) == ("salt_rotation", AuditState.VERIFIED), record
+    ev = record.evidence
+    assert (ev.old_epoch, ev.new_epoch) == (0, 1)
+    assert ev.probe_control_cached_tokens > 0 and ev.probe_after_cached_tokens == 0
