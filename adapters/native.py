@@ -78,7 +78,8 @@ class NativeDriver:
         runner = engine.runner
         self.serving = OpenAIServing(
             self.engine, runner.tokenizer, runner.chat_template,
-            ServingConfig(self.config.served_model_name, engine.max_model_len))
+            ServingConfig(self.config.served_model_name, engine.max_model_len,
+                          block_size=engine.config.block_size))
 
     async def close(self) -> None:
         if self.engine is not None:

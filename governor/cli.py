@@ -50,11 +50,19 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     export.add_argument("outdir")
 
 
+def _add_engine(sub: argparse._SubParsersAction) -> None:
+    engine = sub.add_parser("engine", help="the native engine")
+    esub = engine.add_subparsers(dest="engine_command", required=True, metavar="ACTION")
+    esub.add_parser("serve", help="serve the native engine on vLLM's three surfaces "
+                    "(see fak engine serve --help)", add_help=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fak", description="Governance sidecar for LLM "
                                      "serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
+    _add_engine(sub)
     _add_generate(sub)
     _add_model(sub)
     _add_audit(sub)
@@ -62,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["engine", "serve"]:
+        # Its flags mirror vLLM's and belong to the server's own parser.
+        from native_engine.server import main as engine_serve_main
+
+        return engine_serve_main(argv[2:], prog="fak engine serve")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":

@@ -169,6 +169,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._flush_events()
         return True
 
     def has_unfinished(self) -> bool:

@@ -2,35 +2,114 @@
 
 Shared by the in-process driver and `fak engine serve`, so both answer like a vLLM server
 (vectors/vllm-0.32.0-cpu/http.jsonl): same keys, value types and error `type`/`param`.
+
+Bodies are validated by pydantic, as vLLM does, so a wrong field type gets vLLM's answer:
+400, type "Bad Request", param `body.<field>`, a "1 validation error:" message with pydantic's
+error type and text. The salt rule runs first and answers type "BadRequestError", param
+`cache_salt`, as vLLM's request validator does.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from native_engine.request import MAX_LOGPROBS, SamplingParams
 from policies.salts import validate_vllm_cache_salt
 from schemas.engine import EngineError
 
 SYSTEM_FINGERPRINT = "fak-native"
+Route = Literal["chat", "completions"]
+# Features a vLLM server offers that this engine does not: refused loudly, never ignored.
+UNSUPPORTED_IF_SET: dict[str, Any] = {
+    "n": 1, "best_of": None, "echo": False, "use_beam_search": False, "prompt_logprobs": None,
+    "tools": None, "response_format": None, "logit_bias": None,
+}
 
 
 def bad_request(message: str, param: str | None, type_: str = "BadRequestError") -> EngineError:
     return EngineError(400, message, type=type_, param=param)
 
 
-def _int_field(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(
-            f"1 validation error:\n  {{'type': 'int_parsing', 'loc': 'body.{name}', "
-            f"'msg': 'Input should be a valid integer', 'input': {value!r}}}",
-            f"body.{name}", "Bad Request")
+# -- request bodies -----------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = True  # vLLM's default once stream_options is given
+    continuous_usage_stats: bool | None = False
+
+
+class _Body(BaseModel):
+    """The fields the native engine honours, typed as vLLM declares them."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionBody(_Body):
+    prompt: list[int] | list[list[int]] | str | list[str] | None = None
+    logprobs: int | None = None
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+
+
+def _summary(value: Any) -> Any:
+    """How vLLM's error text shows a rejected input: containers by size, scalars as is."""
+    if isinstance(value, dict):
+        return f"<dict of {len(value)} items>"
+    if isinstance(value, list):
+        return f"<list of {len(value)} items>"
     return value
+
+
+def validation_error(errors: list[dict[str, Any]]) -> EngineError:
+    """vLLM's answer to a request-validation failure (FastAPI's errors, `body.` located)."""
+    shown = []
+    for err in errors:
+        item = {"type": err["type"], "loc": ".".join(str(p) for p in ("body", *err["loc"])),
+                "msg": err["msg"], "input": _summary(err.get("input"))}
+        if err.get("ctx"):
+            item["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
+        shown.append(item)
+    plural = "" if len(shown) == 1 else "s"
+    message = f"{len(shown)} validation error{plural}:\n" + "\n".join(f"  {e}" for e in shown)
+    return bad_request(message, shown[0]["loc"], "Bad Request")
+
+
+def parse_json(raw: bytes) -> Any:
+    """The request's JSON, or vLLM's 400 for a body that is not JSON (param `body.<pos>`)."""
+    if not raw.strip():
+        raise validation_error([{"type": "missing", "loc": (), "msg": "Field required",
+                                 "input": None}])
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        pos = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason
+        raise validation_error([{"type": "json_invalid", "loc": (pos,), "msg": "JSON decode error",
+                                 "input": {}, "ctx": {"error": reason}}]) from None
 
 
 def check_cache_salt(body: dict[str, Any]) -> str | None:
@@ -39,65 +118,80 @@ def check_cache_salt(body: dict[str, Any]) -> str | None:
         return None
     message = validate_vllm_cache_salt(body["cache_salt"])
     if message is not None:
-        raise bad_request(f"{message} (parameter=cache_salt)", "cache_salt")
+        raise bad_request(message, "cache_salt")
     return body["cache_salt"]
 
 
-def _stops(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
-        return tuple(stop)
-    raise bad_request("'stop' must be a string or a list of non-empty strings", "stop")
+def validate_body(route: Route, body: Any) -> CompletionBody | ChatBody:
+    """Salt rule, then field types, then features this engine refuses (in vLLM's order)."""
+    if isinstance(body, dict):
+        check_cache_salt(body)
+    model = ChatBody if route == "chat" else CompletionBody
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_url=False)) from None
+    for name, default in UNSUPPORTED_IF_SET.items():
+        if (parsed.model_extra or {}).get(name, default) != default:
+            raise bad_request(f"'{name}' is not supported by the native engine", name)
+    if parsed.stream_options is not None and not parsed.stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.",
+                          "stream_options")
+    return parsed
 
 
-def _logprobs(route: str, body: dict[str, Any]) -> int | None:
-    if route == "chat":
-        if not body.get("logprobs"):
-            return None
-        return _int_field(body, "top_logprobs") or 0
-    return _int_field(body, "logprobs")
+def check_model(parsed: CompletionBody | ChatBody, served: str) -> None:
+    if parsed.model is not None and parsed.model != served:
+        raise EngineError(404, f"The model `{parsed.model}` does not exist. Valid aliases: "
+                          f"{served}.", type="NotFoundError", param="model")
 
 
-def sampling_params(route: str, body: dict[str, Any], prompt_len: int, max_model_len: int,
+def _logprobs(parsed: CompletionBody | ChatBody) -> int | None:
+    if isinstance(parsed, ChatBody):
+        return (parsed.top_logprobs or 0) if parsed.logprobs else None
+    return parsed.logprobs
+
+
+def sampling_params(parsed: CompletionBody | ChatBody, prompt_len: int, max_model_len: int,
                     stop_token_ids: tuple[int, ...], priority_enabled: bool) -> SamplingParams:
-    """Map an OpenAI body to SamplingParams, answering vLLM's 400s for bad values."""
+    """SamplingParams of a validated body, answering vLLM's 400s for bad values. Priority
+    is dropped (not refused) when priority scheduling is off: vLLM V1 ignores it under FCFS."""
     room = max_model_len - prompt_len
     if room < 1:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {prompt_len} input tokens. Please reduce the length of the input.",
             "input_tokens")
-    max_tokens = _int_field(body, "max_completion_tokens") or _int_field(body, "max_tokens")
+    chat = isinstance(parsed, ChatBody)
+    max_tokens = (parsed.max_completion_tokens if chat else None) or parsed.max_tokens
     if max_tokens is None:
-        max_tokens = room if route == "chat" else min(16, room)
+        max_tokens = room if chat else min(16, room)
     if max_tokens < 1 or max_tokens > room:
         raise bad_request(f"'max_tokens' is {max_tokens}; it must be in [1, {room}] for this "
                           "prompt", "max_tokens")
-    priority = _int_field(body, "priority") or 0
-    logprobs = _logprobs(route, body)
+    logprobs = _logprobs(parsed)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
-    extra_stop_ids = body.get("stop_token_ids") or []
+    stop = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            top_k=_int_field(body, "top_k") or 0,
-            seed=_int_field(body, "seed"),
-            stop=_stops(body),
-            stop_token_ids=tuple(extra_stop_ids) + stop_token_ids,
-            ignore_eos=bool(body.get("ignore_eos", False)),
+            temperature=1.0 if parsed.temperature is None else parsed.temperature,
+            top_p=1.0 if parsed.top_p is None else parsed.top_p,
+            top_k=parsed.top_k or 0,
+            seed=parsed.seed,
+            stop=stop,
+            stop_token_ids=tuple(parsed.stop_token_ids or ()) + stop_token_ids,
+            ignore_eos=parsed.ignore_eos,
             logprobs=logprobs,
-            priority=priority if priority_enabled else 0,
-            namespace=check_cache_salt(body),
+            priority=parsed.priority if priority_enabled else 0,
+            namespace=parsed.cache_salt,
         )
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:
         raise bad_request(str(exc), None) from None
+
+
+# -- responses ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -109,9 +203,12 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    stop_reason: str | int | None = None
+    created_cache_tokens: int | None = None
 
 
-def usage_dict(c: Completion, details: bool) -> dict[str, Any]:
+def usage_dict(c: Completion, details: bool, stream: bool = False) -> dict[str, Any]:
+    """vLLM's usage; in a stream's usage chunk the details omit `multimodal_tokens`."""
     usage: dict[str, Any] = {
         "prompt_tokens": c.prompt_tokens,
         "total_tokens": c.prompt_tokens + c.completion_tokens,
@@ -119,57 +216,92 @@ def usage_dict(c: Completion, details: bool) -> dict[str, Any]:
         "prompt_tokens_details": None,
     }
     if details:
-        usage["prompt_tokens_details"] = {
-            "cached_tokens": c.cached_tokens,
-            "created_cache_tokens": None,
-            "multimodal_tokens": None,
-        }
+        usage["prompt_tokens_details"] = {"cached_tokens": c.cached_tokens,
+                                          "created_cache_tokens": c.created_cache_tokens}
+        if not stream:
+            usage["prompt_tokens_details"]["multimodal_tokens"] = None
+    if not stream:
+        usage["completion_tokens_details"] = None
     return usage
 
 
-def _finish(c: Completion) -> dict[str, Any]:
-    return {"finish_reason": c.finish_reason, "stop_reason": None}
-
-
-def full_response(route: str, request_id: str, model: str, c: Completion,
-                  details: bool, created: int | None = None) -> dict[str, Any]:
+def full_response(route: Route, request_id: str, model: str, c: Completion, details: bool,
+                  created: int | None = None, logprobs: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
     created = created if created is not None else int(time.time())
+    end = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "token_ids": None}
     if route == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text,
-                                          "refusal": None},
-                  "logprobs": None, **_finish(c)}
-        obj = "chat.completion"
+        message = {"role": "assistant", "content": c.text, "refusal": None,
+                   "annotations": None, "audio": None, "function_call": None,
+                   "reasoning": None}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, **end,
+                  "routed_experts": None}
+        obj, prompt_extras = "chat.completion", {"prompt_logprobs": None,
+                                                 "prompt_token_ids": None, "prompt_text": None}
     else:
-        choice = {"index": 0, "text": c.text, "logprobs": None, **_finish(c)}
-        obj = "text_completion"
+        choice = {"index": 0, "text": c.text, "logprobs": logprobs, **end,
+                  "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
+        obj, prompt_extras = "text_completion", {}
     return {"id": request_id, "object": obj, "created": created, "model": model,
-            "choices": [choice], "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": usage_dict(c, details)}
+            "choices": [choice], "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": usage_dict(c, details), **prompt_extras, "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None}
 
 
-def stream_chunk(route: str, request_id: str, model: str, created: int, delta: str,
-                 finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+def role_chunk(request_id: str, model: str, created: int) -> dict[str, Any]:
+    """A chat stream's first chunk: the role, before any token (as vLLM sends it)."""
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None}
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [choice], "prompt_token_ids": None, "prompt_text": None}
+
+
+def stream_chunk(route: Route, request_id: str, model: str, created: int, delta: str,
+                 finish_reason: str | None, logprobs: dict[str, Any] | None = None,
+                 stop_reason: str | int | None = None) -> dict[str, Any]:
     if route == "chat":
-        body: dict[str, Any] = {"role": "assistant", "content": delta} if first else {
-            "content": delta}
-        choice = {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": delta}}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": delta}
         obj = "text_completion"
+    choice.update(logprobs=logprobs, finish_reason=finish_reason)
     if finish_reason is not None:
-        choice["stop_reason"] = None
+        choice["stop_reason"] = stop_reason
+    choice["token_ids"] = None
     return {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": [choice]}
 
 
-def usage_chunk(route: str, request_id: str, model: str, created: int, c: Completion,
+def usage_chunk(route: Route, request_id: str, model: str, created: int, c: Completion,
                 details: bool) -> dict[str, Any]:
     return {"id": request_id,
             "object": "chat.completion.chunk" if route == "chat" else "text_completion",
             "created": created, "model": model, "choices": [],
-            "usage": usage_dict(c, details), "system_fingerprint": SYSTEM_FINGERPRINT}
+            "usage": usage_dict(c, details, stream=True), "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
-def response_id(route: str, request_id: str) -> str:
+def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict[str, Any]:
+    """`choices[].logprobs` of a chat answer: per token its text, logprob, UTF-8 bytes and
+    the top alternatives."""
+    def item(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]}
+                        for t, lp, top in entries]}
+
+
+def completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]],
+                        start_offset: int = 0) -> dict[str, Any]:
+    """`choices[].logprobs` of a completion: parallel lists, offsets into the output text."""
+    offsets, offset = [], start_offset
+    for token, _, _ in entries:
+        offsets.append(offset)
+        offset += len(token)
+    return {"text_offset": offsets, "token_logprobs": [lp for _, lp, _ in entries],
+            "tokens": [t for t, _, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries]}
+
+
+def response_id(route: Route, request_id: str) -> str:
     return ("chatcmpl-" if route == "chat" else "cmpl-") + request_id

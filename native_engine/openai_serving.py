@@ -1,30 +1,42 @@
 """Serve one OpenAI request on the native engine: body in, vLLM-shaped dicts out.
 
 Used by the in-process driver (adapters/native.py) and by `fak engine serve`, so both give
-the same answers. Errors are raised as EngineError with vLLM's status, type and param.
+the same answers. Errors are raised as EngineError with vLLM's status, type and param, all
+before the first yield (a stream that has started only ends).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from native_engine.async_engine import AsyncLLMEngine, EngineDeadError
 from native_engine.chat_template import ChatTemplate, ChatTemplateError
+from native_engine.engine import RequestOutput
 from native_engine.openai_api import (
+    ChatBody,
     Completion,
+    CompletionBody,
+    Route,
     bad_request,
+    chat_logprobs,
+    check_model,
+    completion_logprobs,
     full_response,
     response_id,
+    role_chunk,
     sampling_params,
     stream_chunk,
     usage_chunk,
+    validate_body,
 )
 from native_engine.request import SamplingParams
 from native_engine.tokenizer import TextTokenizer
 from schemas.engine import EngineError
+
+LogprobEntry = tuple[str, float, list[tuple[str, float]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,76 +45,160 @@ class ServingConfig:
     max_model_len: int
     prompt_tokens_details: bool = True
     priority_enabled: bool = True
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        if self.max_model_len < 2 or self.block_size < 1:
+            raise ValueError("max_model_len must be >= 2 and block_size >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    route: Route
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+class RequestObserver(Protocol):
+    """Told of one request's progress (server metrics: TTFT, inter-token, end to end)."""
+
+    def on_output(self, num_new_tokens: int) -> None: ...
+
+    def on_finish(self, finish_reason: str) -> None: ...
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, tokenizer: TextTokenizer,
-                 chat_template: ChatTemplate | None, config: ServingConfig) -> None:
+                 chat_template: ChatTemplate | None, config: ServingConfig,
+                 observe: Callable[[], RequestObserver] | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.config = config
+        self.observe = observe
 
-    def prompt_ids(self, route: str, body: dict[str, Any]) -> list[int]:
-        if route == "chat":
+    def prompt_ids(self, parsed: CompletionBody | ChatBody) -> list[int]:
+        if isinstance(parsed, ChatBody):
             if self.chat_template is None:
                 raise bad_request("this model has no chat template", "messages")
             try:
-                text = self.chat_template.render(body["messages"], add_generation_prompt=True)
+                text = self.chat_template.render(parsed.messages, add_generation_prompt=True)
             except ChatTemplateError as exc:
                 raise bad_request(str(exc), "messages") from None
             return self.tokenizer.encode(text)
-        prompt = body.get("prompt")
+        prompt = parsed.prompt
         if isinstance(prompt, str) and prompt:
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in prompt):
             return list(prompt)
-        raise bad_request("'prompt' must be a non-empty string or a list of token ids",
-                          "prompt")
+        raise bad_request("'prompt' must be a non-empty string or a list of token ids (one "
+                          "prompt per request on the native engine)", "prompt")
 
-    def params(self, route: str, body: dict[str, Any], prompt_len: int) -> SamplingParams:
-        return sampling_params(route, body, prompt_len, self.config.max_model_len,
-                               self.tokenizer.stop_token_ids, self.config.priority_enabled)
+    def _created_cache_tokens(self, route: Route, prompt_tokens: int, cached: int) -> int | None:
+        """Prompt tokens in full blocks this request newly cached; vLLM 0.32 reports it for
+        chat and leaves it null for completions (vectors/vllm-0.32.0-cpu/http.jsonl)."""
+        if route != "chat":
+            return None
+        bs = self.config.block_size
+        return max(0, prompt_tokens // bs * bs - cached)
 
-    async def run(self, route: str, body: dict[str, Any], request_id: str
+    def _logprob_entries(self, out: RequestOutput) -> list[LogprobEntry]:
+        def text(token_id: int) -> str:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+        return [(text(s.token_id), float(s.logprob),
+                 [(text(t), lp) for t, lp in (s.top_logprobs or ())])
+                for s in out.logprobs if s.logprob is not None]
+
+    def _format_logprobs(self, route: Route, entries: list[LogprobEntry],
+                         offset: int) -> dict[str, Any]:
+        return chat_logprobs(entries) if route == "chat" else completion_logprobs(entries,
+                                                                                    offset)
+
+    def prepare(self, route: Route, body: Any) -> Prepared:
+        """Validate and tokenise; every 4xx a request can get is raised here."""
+        parsed = validate_body(route, body)
+        check_model(parsed, self.config.model_name)
+        ids = self.prompt_ids(parsed)
+        params = sampling_params(parsed, len(ids), self.config.max_model_len,
+                                 self.tokenizer.stop_token_ids, self.config.priority_enabled)
+        options = parsed.stream_options
+        return Prepared(route, ids, params, bool(parsed.stream),
+                        bool(options is not None and options.include_usage))
+
+    async def run(self, route: Route, body: Any, request_id: str
                   ) -> AsyncIterator[dict[str, Any] | None]:
         """Yield response dicts: one full response, or stream chunks then None for [DONE]."""
-        ids = self.prompt_ids(route, body)
-        params = self.params(route, body, len(ids))
+        prepared = self.prepare(route, body)
+        async for item in self.generate(prepared, request_id):
+            yield item
+
+    async def generate(self, prepared: Prepared, request_id: str
+                       ) -> AsyncIterator[dict[str, Any] | None]:
+        """Run a prepared request: one full response, or stream chunks then None."""
+        route, ids, params = prepared.route, prepared.prompt_ids, prepared.params
+        stream, include_usage = prepared.stream, prepared.include_usage
         rid = response_id(route, request_id)
         model, created = self.config.model_name, int(time.time())
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        want_logprobs = params.logprobs is not None
+        observer = self.observe() if self.observe is not None else None
         text: list[str] = []
-        first = True
+        entries: list[LogprobEntry] = []
+        last: RequestOutput | None = None
         try:
             async for out in self.engine.generate(ids, params, request_id):
+                if observer is not None:
+                    observer.on_output(len(out.new_token_ids))
+                new = self._logprob_entries(out) if want_logprobs else []
+                if stream and last is None and route == "chat":
+                    yield role_chunk(rid, model, created)
                 if stream and (out.text_delta or out.finished):
+                    lp = self._format_logprobs(route, new, len("".join(text))) if new else None
                     yield stream_chunk(route, rid, model, created, out.text_delta,
-                                       out.finish_reason, first)
-                    first = False
+                                       out.finish_reason, lp, out.stop_reason)
                 text.append(out.text_delta)
+                entries.extend(new)
                 last = out
         except EngineDeadError as exc:
             raise EngineError(503, f"the native engine is not running: {exc}",
                               type="ServiceUnavailableError") from None
         except ValueError as exc:
             raise bad_request(str(exc), None) from None
+        finally:
+            if observer is not None:
+                finished = last is not None and last.finished
+                observer.on_finish((last.finish_reason or "stop") if finished else "abort")
+        assert last is not None  # generate() always ends with a finished output
         done = Completion("".join(text), last.finish_reason, last.num_prompt_tokens,
-                          last.num_output_tokens, last.cached_tokens)
+                          last.num_output_tokens, last.cached_tokens, last.stop_reason,
+                          self._created_cache_tokens(route, last.num_prompt_tokens,
+                                                     last.cached_tokens))
+        details = self.config.prompt_tokens_details
         if not stream:
-            yield full_response(route, rid, model, done, self.config.prompt_tokens_details,
-                                created)
+            logprobs = self._format_logprobs(route, entries, 0) if want_logprobs else None
+            yield full_response(route, rid, model, done, details, created, logprobs)
             return
         if include_usage:
-            yield usage_chunk(route, rid, model, created, done,
-                              self.config.prompt_tokens_details)
+            yield usage_chunk(route, rid, model, created, done, details)
         yield None
 
     def models(self, root: str) -> dict[str, Any]:
+        created = int(time.time())
+        permission = {"id": f"modelperm-{self.config.model_name}", "object": "model_permission",
+                      "created": created, "allow_create_engine": False,
+                      "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True,
+                      "allow_fine_tuning": False, "organization": "*", "group": None,
+                      "is_blocking": False}
         return {"object": "list", "data": [{
-            "id": self.config.model_name, "object": "model", "created": int(time.time()),
+            "id": self.config.model_name, "object": "model", "created": created,
             "owned_by": "fak", "root": root, "parent": None,
-            "max_model_len": self.config.max_model_len, "permission": [],
+            "max_model_len": self.config.max_model_len, "permission": [permission],
         }]}

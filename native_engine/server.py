@@ -1,0 +1,417 @@
+"""`fak engine serve`: the native engine behind vLLM 0.32's three public surfaces.
+
+1. OpenAI HTTP (aiohttp): `POST /v1/completions`, `POST /v1/chat/completions` (SSE with
+   `stream`), `GET /v1/models`, `/health`, `/version`; answers shaped as vLLM's
+   (native_engine.openai_api), errors as `{"error": {message, type, param, code}}`.
+2. KV-cache events: ZeroMQ PUB (+ ROUTER replay) as `--kv-events-config` says, one batch per
+   engine step that changed the prefix cache (native_engine.kv_events).
+3. `GET /metrics` with vLLM's names (native_engine.server_metrics).
+
+`--dev-mode` (or VLLM_SERVER_DEV_MODE=1, as vLLM) mounts `POST /reset_prefix_cache` and
+`GET /kv_event_sources`. Flags mirror vLLM's where they overlap. Run it as
+`python -m native_engine.server [flags]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from aiohttp import web
+
+from native_engine.async_engine import AsyncLLMEngine
+from native_engine.block_hash import hash_to_wire
+from native_engine.config import EngineConfig, SchedulingPolicy
+from native_engine.engine import LLMEngine
+from native_engine.kv_events import EventPublisher, KVEventRecorder, KVEventsConfig, make_publisher
+from native_engine.openai_api import Route, parse_json
+from native_engine.openai_serving import OpenAIServing, ServingConfig
+from native_engine.radix_cache import Node, chain_hashes
+from native_engine.server_metrics import CacheInfo, ServerMetrics
+from schemas.engine import EngineError
+
+log = logging.getLogger("fak.engine.serve")
+
+EMBEDDED_MODEL_NAME = "smollm2"
+EMBEDDED_MODEL_ROOT = "embedded:SmolLM2-135M-Instruct"
+MAX_BODY_BYTES = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `fak engine serve` is started with; validated once, here."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    enable_prompt_tokens_details: bool = False
+    attention_backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    dev_mode: bool = False
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.served_model_name == "":
+            raise ValueError("served_model_name must not be empty")
+        self.engine_config().runner_config()  # the engine's and runner's own rules
+
+    @property
+    def model_name(self) -> str:
+        """vLLM's rule: the served name defaults to the --model value."""
+        return self.served_model_name or self.model or EMBEDDED_MODEL_NAME
+
+    @property
+    def model_root(self) -> str:
+        return self.model or EMBEDDED_MODEL_ROOT
+
+    def engine_config(self) -> EngineConfig:
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EngineConfig(
+            block_size=self.block_size, num_blocks=self.num_blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            scheduling_policy=self.scheduling_policy, max_model_len=self.max_model_len,
+            model=self.model, dtype=self.dtype, attention_backend=self.attention_backend,
+            device=device)
+
+
+class PublishingEngine(LLMEngine):
+    """LLMEngine with a KV-event recorder as its cache listener (the engine flushes it once
+    per step and after abort, span eviction and reset), and the engine's own view of what is
+    resident, to compare with what a subscriber rebuilt."""
+
+    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any = None,
+                 listener: KVEventRecorder | None = None) -> None:
+        super().__init__(config, runner, tokenizer, listener)
+        self.recorder = listener
+
+    def resident_block_hashes(self, int_mode: bool = True) -> dict[str | None, set[int | bytes]]:
+        """The engine's own view: every full block in the radix cache, by namespace, as the
+        hash its KV events carry. Raises AssertionError if a block has no recorded digest."""
+        if self.cache is None or self.recorder is None:
+            return {}
+        out: dict[str | None, set[int | bytes]] = {}
+        for ns in self.cache.namespaces:
+            ids: set[int] = set()
+            for path in _leaf_paths(self.cache.nodes(ns)):
+                ids.update(chain_hashes(ns, path, self.cache.block_size))
+            digests = {cid: self.recorder.digest_of(cid) for cid in ids}
+            missing = [cid for cid, d in digests.items() if d is None]
+            assert not missing, f"{len(missing)} cached blocks were never published as stored"
+            out[ns] = {hash_to_wire(d, int_mode) for d in digests.values() if d is not None}
+        return out
+
+
+def _leaf_paths(nodes: list[Node]) -> list[list[int]]:
+    """Token paths from the namespace root to every leaf."""
+    paths: list[list[int]] = []
+    stack = [(n, list(n.tokens)) for n in nodes if n.parent is not None and n.parent.parent is None]
+    while stack:
+        node, path = stack.pop()
+        if not node.children:
+            paths.append(path)
+        stack.extend((c, path + c.tokens) for c in node.children.values())
+    return paths
+
+
+def error_response(exc: EngineError) -> web.Response:
+    return web.json_response(exc.to_json(), status=exc.status)
+
+
+def _json_bytes(data: Any) -> bytes:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@web.middleware
+async def fastapi_shaped_errors(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                                ) -> web.StreamResponse:
+    """404/405 as FastAPI words them (`{"detail": ...}`); anything unexpected as a 500
+    error JSON rather than aiohttp's text page."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status in (404, 405):
+            return web.json_response({"detail": exc.reason}, status=exc.status,
+                                     headers={k: v for k, v in exc.headers.items()
+                                              if k.lower() == "allow"})
+        raise
+    except EngineError as exc:
+        return error_response(exc)
+    except Exception as exc:  # a bug must still answer in the API's error shape
+        log.exception("unhandled error on %s", request.path)
+        return error_response(EngineError(500, f"internal error: {exc!r}"))
+
+
+class EngineServer:
+    """The aiohttp handlers over one running AsyncLLMEngine."""
+
+    def __init__(self, config: ServerConfig, engine: AsyncLLMEngine, serving: OpenAIServing,
+                 metrics: ServerMetrics) -> None:
+        self.config = config
+        self.engine = engine
+        self.serving = serving
+        self.metrics = metrics
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[fastapi_shaped_errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.scrape)
+        if self.config.dev_mode:
+            log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT "
+                        "be used in production!")
+            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+            app.router.add_get("/kv_event_sources", self.kv_event_sources)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, route: Route) -> web.StreamResponse:
+        # The engine id stays unique even when clients repeat an X-Request-Id.
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        try:
+            prepared = self.serving.prepare(route, parse_json(await request.read()))
+            events = self.serving.generate(prepared, f"{request_id}-{uuid.uuid4().hex[:8]}")
+            first = await anext(events)
+        except EngineError as exc:
+            return error_response(exc)
+        async with contextlib.aclosing(events):
+            if not prepared.stream:
+                return web.Response(body=_json_bytes(first), content_type="application/json")
+            return await self._stream(request, first, events)
+
+    async def _stream(self, request: web.Request, first: dict[str, Any] | None,
+                      events: AsyncIterator[dict[str, Any] | None]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        item = first
+        try:
+            while True:
+                data = b"[DONE]" if item is None else _json_bytes(item)
+                await response.write(b"data: " + data + b"\n\n")
+                if item is None:
+                    break
+                try:
+                    item = await anext(events)
+                except EngineError as exc:  # mid-stream: vLLM sends the error as an event
+                    await response.write(b"data: " + _json_bytes(exc.to_json()) + b"\n\n")
+                    item = None
+            await response.write_eof()
+        except ConnectionResetError:  # the client left; closing `events` aborts the request
+            log.info("client disconnected from %s", request.path)
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(self.serving.models(self.config.model_root))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.is_alive else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": fak_version()})
+
+    async def scrape(self, request: web.Request) -> web.Response:
+        if self.engine.is_alive:
+            self.metrics.update(await self.engine.stats())
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": self.metrics.content_type})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": await self.engine.reset_prefix_cache()})
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        return web.json_response({"0": dataclasses.asdict(self.config.kv_events)})
+
+
+def fak_version() -> str:
+    try:
+        return metadata.version("fak")
+    except metadata.PackageNotFoundError:
+        return "0.1.0+source"
+
+
+# -- start-up and the command line --------------------------------------------------------
+
+
+@dataclass
+class RunningServer:
+    """A started server: its URL, engine and publisher; `close()` stops all three."""
+
+    config: ServerConfig
+    base_url: str
+    engine: AsyncLLMEngine
+    publisher: EventPublisher
+    runner: web.AppRunner
+
+    @property
+    def llm_engine(self) -> PublishingEngine:
+        return self.engine.engine  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        await self.engine.close()
+        self.publisher.close()
+
+
+async def build_server(config: ServerConfig) -> tuple[EngineServer, EventPublisher]:
+    """Load the model, start the engine loop and the KV-event publisher."""
+    publisher = make_publisher(config.kv_events)
+    recorder = KVEventRecorder(publisher) if config.kv_events.active else None
+    try:
+        llm = await asyncio.to_thread(PublishingEngine.from_config, config.engine_config(),
+                                      recorder)
+    except BaseException:
+        publisher.close()
+        raise
+    engine = AsyncLLMEngine(llm)
+    await engine.start()
+    metrics = ServerMetrics(config.model_name, CacheInfo(
+        llm.config.block_size, llm.config.num_blocks, llm.cache is not None))
+    serving = OpenAIServing(
+        engine, llm.runner.tokenizer, llm.runner.chat_template,
+        ServingConfig(config.model_name, llm.max_model_len,
+                      prompt_tokens_details=config.enable_prompt_tokens_details,
+                      priority_enabled=config.scheduling_policy == "priority",
+                      block_size=llm.config.block_size),
+        observe=metrics.track)
+    return EngineServer(config, engine, serving, metrics), publisher
+
+
+async def start_server(config: ServerConfig) -> RunningServer:
+    """Build and bind (port 0 picks a free port); the caller must `close()` it."""
+    server, publisher = await build_server(config)
+    runner = web.AppRunner(server.app(), access_log=None)
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        await server.engine.close()
+        publisher.close()
+        raise
+    host, port = runner.addresses[0][:2]
+    return RunningServer(config, f"http://{host}:{port}", server.engine, publisher, runner)
+
+
+async def serve_forever(config: ServerConfig) -> None:
+    running = await start_server(config)
+    log.info("fak engine serve: %s on %s (model %s)", config.model_name, running.base_url,
+             config.model_root)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await running.close()
+
+
+def build_parser(prog: str = "fak engine serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Serve the native engine on vLLM's "
+                                "OpenAI HTTP, KV-event and /metrics surfaces.")
+    add_serve_arguments(p)
+    return p
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags, named as vLLM's where they overlap (for `fak engine serve` too)."""
+    d = ServerConfig.__dataclass_fields__
+    p.add_argument("--host", default=d["host"].default)
+    p.add_argument("--port", type=int, default=d["port"].default)
+    p.add_argument("--model", help="GGUF file or HF directory (default: the embedded model)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--block-size", type=int, default=d["block_size"].default)
+    p.add_argument("--num-gpu-blocks-override", "--num-blocks", dest="num_blocks", type=int,
+                   default=d["num_blocks"].default, help="KV pool size in blocks")
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=d["max_num_batched_tokens"].default)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true")
+    p.add_argument("--kv-events-config", help="vLLM's KVEventsConfig as JSON")
+    p.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dev-mode", action="store_true",
+                   help="mount POST /reset_prefix_cache (also VLLM_SERVER_DEV_MODE=1)")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    kv_events = (KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config
+                 else KVEventsConfig())
+    return ServerConfig(
+        host=args.host, port=args.port, model=args.model,
+        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        attention_backend=args.attention_backend, dtype=args.dtype, device=args.device,
+        dev_mode=args.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        kv_events=kv_events)
+
+
+def cmd_engine_serve(args: argparse.Namespace) -> int:
+    """`fak engine serve`: run until SIGINT/SIGTERM; 2 on a bad configuration."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"fak engine serve: {exc}", file=sys.stderr)
+        return 2
+    loop = asyncio.new_event_loop()
+    main_task = loop.create_task(serve_forever(config))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main_task.cancel)
+    try:
+        loop.run_until_complete(main_task)
+    except asyncio.CancelledError:
+        pass
+    finally:
+        loop.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m native_engine.server") -> int:
+    return cmd_engine_serve(build_parser(prog).parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
