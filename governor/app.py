@@ -270,4 +270,8 @@ def build_app(gov: Governor) -> web.Application:
     app.router.add_get("/admin/v1/capabilities", admin_only(handle_capabilities))
     app.router.add_get("/admin/v1/tenants", admin_only(handle_tenants))
     app.router.add_post("/admin/v1/tenants/{tenant_id}/rotate", admin_only(handle_rotate))
+    # Local import: the quarantine routes import this module for admin_only and GOVERNOR_KEY.
+    from governor.quarantine_routes import add_quarantine_routes
+
+    add_quarantine_routes(app)
     return app

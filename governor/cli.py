@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from governor.admin_client import add_quarantine_parser, add_tenants_parser
 from governor.config import ConfigError
 from governor.secrets import StartupRefused
 
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_model(sub)
     _add_audit(sub)
+    add_quarantine_parser(sub)
+    add_tenants_parser(sub)
     return parser
 
 
@@ -91,6 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from native_engine.export_hf import cmd_export_hf
 
             return cmd_export_hf(args.outdir)
+        if args.command == "quarantine":
+            from governor.admin_client import cmd_quarantine
+
+            return cmd_quarantine(args)
+        if args.command == "tenants":
+            from governor.admin_client import cmd_tenants
+
+            return cmd_tenants(args)
         if args.command == "audit":
             from governor.audit_log import cmd_audit_checkpoint, cmd_audit_verify
 
