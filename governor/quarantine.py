@@ -31,9 +31,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from adapters.native import NativeDriver
 from governor.quarantine_engines import (
     Facts,
     Probe,
@@ -47,6 +46,9 @@ from policies.quarantine import PlanKind, QuarantinePlan, QuarantineSpan, plan_q
 from policies.salts import SaltKey, frame
 from schemas.audit import CODE, AuditEvent, AuditState, Evidence, SpanRef
 from schemas.engine import EngineError
+
+if TYPE_CHECKING:  # the native engine (torch) is imported only when it is the engine
+    from adapters.native import NativeDriver
 
 log = logging.getLogger("fak.quarantine")
 
@@ -299,13 +301,13 @@ class QuarantineService:
 
     def _resolve(self, request: QuarantineRequest) -> _Resolved:
         driver, span = self.gov.driver, request.span
-        if not isinstance(driver, NativeDriver):
+        if driver.capabilities.engine_kind != "native":
             if span.token_ids is not None and request.start >= len(span.token_ids):
                 raise QuarantineRequestError(f"start {request.start} is not inside the span's "
                                              f"{len(span.token_ids)} tokens", "start")
             length = None if span.token_ids is None else len(span.token_ids)
             return _Resolved(None, length, span.form, input_payload(span), span.probe())
-        tokens = _native_tokens(driver, span)
+        tokens = _native_tokens(driver, span)  # type: ignore[arg-type]
         limit = driver.capabilities.max_model_len
         if limit is not None and len(tokens) >= limit:
             raise QuarantineRequestError(f"the span has {len(tokens)} tokens; the engine's "
@@ -322,8 +324,8 @@ class QuarantineService:
         tenant, salt = request.tenant, self.gov.salt_for(request.tenant)
         try:
             if plan.kind is PlanKind.EXACT:
-                assert isinstance(self.gov.driver, NativeDriver) and resolved.tokens is not None
-                return await exact_native(self.gov.driver, tenant, salt, resolved.tokens,
+                assert resolved.tokens is not None
+                return await exact_native(self.gov.driver,  # type: ignore[arg-type] tenant, salt, resolved.tokens,
                                           request.start, self.config)
             if plan.kind is PlanKind.WHOLE_PREFIX_FLUSH:
                 return await flush_vllm(self.gov.driver, tenant, salt, resolved.probe,

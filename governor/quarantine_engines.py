@@ -30,14 +30,16 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from adapters.native import NativeDriver
 from adapters.vllm.dev_control import DevControlDisabledError, ResetOutcome, VLLMDevControl
 from adapters.vllm.kv_subscriber import KVEventSubscriber, SyncState, Watermark
-from native_engine.engine import LLMEngine
 from schemas.engine import EngineCapabilities, EngineError, EngineRequest, Usage
 from schemas.kv_events import AllBlocksCleared
+
+if TYPE_CHECKING:  # torch is imported only when the native engine is the engine
+    from adapters.native import NativeDriver
+    from native_engine.engine import LLMEngine
 
 
 @dataclass(frozen=True, slots=True)
