@@ -46,6 +46,12 @@ def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _sse_chunk(chunk: StreamChunk) -> bytes:
+    if chunk.raw is not None:
+        return b"data: " + chunk.raw.encode() + b"\n\n"
+    return _sse(chunk.data or {})
+
+
 def _is_usage_only(chunk: StreamChunk) -> bool:
     return chunk.data is not None and chunk.data.get("choices") == [] and "usage" in chunk.data
 
@@ -115,7 +121,7 @@ async def relay_stream(request: web.Request, relay: Relay, engine_request: Engin
             if chunk.done:
                 await response.write(b"data: [DONE]\n\n")
             elif client_wants_usage or not _is_usage_only(chunk):
-                await response.write(_sse(chunk.data or {}))
+                await response.write(_sse_chunk(chunk))
             chunk = await anext(chunks, None)
         relay.finish("ok")
     except EngineError as err:
@@ -146,6 +152,8 @@ async def relay_once(relay: Relay, engine_request: EngineRequest) -> web.Respons
         await chunks.aclose()
     relay.saw(chunk)
     relay.finish("ok")
+    if chunk.raw is not None:
+        return web.Response(text=chunk.raw, content_type="application/json")
     return web.json_response(chunk.data)
 
 

@@ -80,12 +80,14 @@ class StreamChunk:
     For a streaming request each chunk is one SSE `data:` payload exactly as the engine sent
     it (`data` is the decoded JSON object, `done` marks `[DONE]`). For a non-streaming
     request a single chunk carries the whole response object. `usage` is filled when the
-    chunk carried usage, so accounting never re-parses.
+    chunk carried usage, so accounting never re-parses. `raw` is the JSON text exactly as
+    the engine sent it, when the driver has it: the governor relays it byte for byte.
     """
 
     data: dict[str, Any] | None
     done: bool = False
     usage: Usage | None = None
+    raw: str | None = None
 
 
 @dataclass(eq=False)

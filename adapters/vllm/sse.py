@@ -58,10 +58,14 @@ def chunk_from_event_data(data: str) -> StreamChunk:
     if data.strip() == DONE_MARKER:
         return StreamChunk(data=None, done=True)
     payload = decode_json_object(data, "SSE event")
-    return StreamChunk(data=payload, usage=usage_from(payload))
+    return StreamChunk(data=payload, usage=usage_from(payload), raw=data)
 
 
 def chunk_from_body(raw: bytes) -> StreamChunk:
     """A whole non-streaming response as its single chunk."""
-    payload = decode_json_object(raw, "response body")
-    return StreamChunk(data=payload, usage=usage_from(payload))
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise MalformedUpstreamError(f"response body is not UTF-8: {exc}") from exc
+    payload = decode_json_object(text, "response body")
+    return StreamChunk(data=payload, usage=usage_from(payload), raw=text)
