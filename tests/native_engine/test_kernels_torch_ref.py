@@ -103,8 +103,8 @@ def test_select_backend() -> None:
             select_backend("triton", "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_is_triton_on_cuda() -> None:
+    """The choice depends on the device asked for, not on this machine having one."""
     from native_engine.kernels import triton_backend
 
     assert select_backend("auto", "cuda") is triton_backend
