@@ -54,7 +54,7 @@ def test_models_completion_cached_tokens_and_kv_event(vllm_server: VllmServer) -
     time.sleep(0.5)  # let the subscription reach the PUB socket (ZeroMQ slow joiner)
     prompt = _random_letters(200, seed=time.time_ns())
     try:
-        with httpx.Client(timeout=60.0) as client:
+        with httpx.Client(timeout=300.0) as client:  # the first request after start-up is slow
             models = client.get(f"{vllm_server.base_url}/v1/models").json()
             assert [m["id"] for m in models["data"]] == [vllm_server.model]
             first = _complete(client, vllm_server, prompt)

@@ -215,23 +215,31 @@ class CacheMachine(RuleBasedStateMachine):
         self.holders: list[Holder] = []
         self.kv: dict[int, tuple] = {}  # slot -> (namespace, path) it was computed from
 
-    def _write(self, ns: str | None, tokens: list[int], slots: list[int]) -> None:
-        for p, s in enumerate(slots):
-            self.kv[s] = (ns, tuple(tokens[: p + 1]))
-
     @rule(ns=st.sampled_from([None, "a", "b"]),
           tokens=st.lists(st.integers(0, 2), min_size=1, max_size=20))
     def admit(self, ns: str | None, tokens: list[int]) -> None:
+        """As the scheduler does: share each whole cached block in place, give every partly
+        covered or mixed block a fresh one (its matched tokens copied), then grow."""
         pool, cache = self.pool, self.cache
         m = cache.match(ns, tokens)
         cache.lock(m.node)
         table: list[int] = []
+        shared: set[int] = set()
         for k in range(pool.blocks_for(m.length)):
             chunk = m.slots[k * B : (k + 1) * B]
             blk = chunk[0] // B
             if len(chunk) == B and chunk == list(range(blk * B, blk * B + B)):
                 pool.incref([blk])
                 table.append(blk)
+                shared.add(blk)
+                continue
+            if pool.num_free < 1:
+                cache.evict(1)
+            if pool.num_free < 1:
+                pool.decref(table)
+                cache.unlock(m.node)
+                return
+            table += pool.allocate(1)
         need = pool.blocks_for(len(tokens)) - len(table)
         if pool.num_free < need:
             cache.evict(need - pool.num_free)
@@ -241,9 +249,11 @@ class CacheMachine(RuleBasedStateMachine):
             return
         table += pool.allocate(need)
         slots = pool.slots(table, 0, len(tokens))
-        shared = len(table) - need
-        self._write(ns, tokens, slots)  # copies + newly computed KV, never into shared blocks
-        assert all(s // B in table[shared:] for s in slots[shared * B :])
+        # copies + newly computed KV, never into shared blocks
+        own = [(p, s) for p, s in enumerate(slots) if s // B not in shared]
+        for p, s in own:
+            self.kv[s] = (ns, tuple(tokens[: p + 1]))
+        assert all(self.kv[s] == (ns, tuple(tokens[: p + 1])) for p, s in enumerate(slots))
         node = cache.insert(ns, tokens, slots).node
         cache.lock(node)
         cache.unlock(m.node)
@@ -304,3 +314,13 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+
+
+def test_a_shared_block_after_a_mixed_one_keeps_its_place() -> None:
+    """Found by the state machine: a path cached as [partly one block, partly another] then
+    a whole block; the whole block is shared at logical index 1, the mixed one copied."""
+    machine = CacheMachine()
+    for tokens in ([0], [0] * 8, [0] * 9):
+        machine.admit(None, tokens)
+        machine.integrity()
+    machine.teardown()
