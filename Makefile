@@ -29,4 +29,4 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm.sh
-	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -p no:cacheprovider
+	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
