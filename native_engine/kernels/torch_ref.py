@@ -12,9 +12,9 @@ Contract (shared with the Triton kernels):
   [0, position] (causal). Hq must be a multiple of Hkv (grouped-query attention).
   Returns [T, Hq, D] in q's dtype.
 
-The CPU engine runs on this module. Requests are computed one at a time, so a request's
-output does not depend on what else is in the batch. Decodes (one new token) use grouped
-matmuls in fp32; prefill chunks use scaled_dot_product_attention with an explicit causal mask
+The oracle of the contract (the CPU engine runs torch_fast, checked against this).
+Requests are computed one at a time, so a request's output does not depend on what else is
+in the batch. Decodes (one new token) use grouped matmuls in fp32; prefill chunks use scaled_dot_product_attention with an explicit causal mask
 offset by the cached prefix (is_causal would be wrong whenever a prefix is cached).
 """
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native_engine.kernels import select_backend, torch_ref
+from native_engine.kernels import select_backend, torch_fast, torch_ref
 from native_engine.kernels.paged_batch import make_paged_batch
 
 
@@ -90,8 +90,8 @@ def test_store_kv_writes_each_slot_and_skips_minus_one(num_tokens, page, seed) -
 
 
 def test_select_backend() -> None:
-    assert select_backend("auto", "cpu") is torch_ref
-    assert select_backend("torch", "cpu") is torch_ref
+    assert select_backend("auto", "cpu") is torch_fast
+    assert select_backend("torch", "cpu") is torch_fast
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("flash", "cpu")
     from native_engine.kernels import triton_backend
