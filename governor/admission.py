@@ -52,6 +52,8 @@ class Admission:
                          asyncio.get_running_loop().create_future())
         bisect.insort(self._waiters, waiter)
         self._dispatch()
+        if waiter.granted.done():  # the common case: a slot was free, no timer needed
+            return
         try:
             await asyncio.wait_for(asyncio.shield(waiter.granted), self.wait_s)
         except TimeoutError:
