@@ -14,8 +14,9 @@ Contract (shared with the Triton kernels):
 
 The oracle of the contract (the CPU engine runs torch_fast, checked against this).
 Requests are computed one at a time, so a request's output does not depend on what else is
-in the batch. Decodes (one new token) use grouped matmuls in fp32; prefill chunks use scaled_dot_product_attention with an explicit causal mask
-offset by the cached prefix (is_causal would be wrong whenever a prefix is cached).
+in the batch. Decodes (one new token) use grouped matmuls in fp32; prefill chunks use
+scaled_dot_product_attention with an explicit causal mask offset by the cached prefix
+(is_causal would be wrong whenever a prefix is cached).
 """
 
 from __future__ import annotations
