@@ -325,8 +325,8 @@ class QuarantineService:
         try:
             if plan.kind is PlanKind.EXACT:
                 assert resolved.tokens is not None
-                return await exact_native(self.gov.driver,  # type: ignore[arg-type] tenant, salt, resolved.tokens,
-                                          request.start, self.config)
+                return await exact_native(self.gov.driver, tenant, salt,  # type: ignore[arg-type]
+                                          resolved.tokens, request.start, self.config)
             if plan.kind is PlanKind.WHOLE_PREFIX_FLUSH:
                 return await flush_vllm(self.gov.driver, tenant, salt, resolved.probe,
                                         self.config)
