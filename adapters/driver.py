@@ -1,4 +1,4 @@
-"""The one protocol every engine driver implements (design §4)."""
+"""The one protocol every engine driver implements (docs/design.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The in-process driver over the native engine (design §4)."""
+"""The in-process driver over the native engine (docs/design.md §4)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from native_engine.async_engine import AsyncLLMEngine
 from native_engine.config import EngineConfig
 from native_engine.engine import EngineStats, LLMEngine
-from native_engine.openai_serving import OpenAIServing, ServingConfig
+from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
 from schemas.engine import (
     Determinism,
     EngineCapabilities,

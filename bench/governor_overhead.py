@@ -1,4 +1,5 @@
-"""The governor's overhead against calling the engine directly (benchmarking.md §6-7).
+"""The governor's overhead against calling the engine directly (docs/reference/benchmarking.md
+§6-7).
 
 Both arms hit the same upstream process from the same client: `direct` (client → engine)
 and `governor` (client → fak serve → engine). Paired, interleaved rounds after a discarded

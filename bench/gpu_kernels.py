@@ -170,8 +170,8 @@ def check_engine(rows: list[Row]) -> None:
     try:
         from native_engine.config import EngineConfig
         from native_engine.engine import LLMEngine
+        from native_engine.model.weights import load_model
         from native_engine.request import SamplingParams
-        from native_engine.weights import load_model
     except ImportError as exc:
         rows.append(Row("engine", "greedy cuda/triton vs cpu/torch", "engine not available",
                         str(exc), False))

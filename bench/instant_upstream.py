@@ -1,6 +1,7 @@
 """A near-instant vLLM-shaped upstream for measuring the governor's own overhead.
 
-Benchmark tool only (benchmarking.md §7: a mock upstream keeps the engine from dominating);
+Benchmark tool only (docs/reference/benchmarking.md §7: a mock upstream keeps the engine from
+dominating);
 the governor's correctness is tested against real engines. Answers /v1/models, /metrics,
 /health and both generation routes, streaming or not, in vLLM 0.32's shapes, at once.
 

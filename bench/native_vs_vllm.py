@@ -18,7 +18,7 @@ Warm prefix: per trial a fresh 1,000-letter prefix; the first request with it is
 next `--warm-per-trial` requests share it with different 8-letter suffixes; requests one
 at a time, TTFT medians and cold/warm ratio per engine.
 
-    .venv/bin/python bench/native_vs_vllm.py                 # starts both servers
+    .venv/bin/python bench/native_vs_vllm.py --vllm-url http://127.0.0.1:8011
     .venv/bin/python bench/native_vs_vllm.py --skip-vllm     # native only
     .venv/bin/python bench/native_vs_vllm.py --native-url http://127.0.0.1:8000 \\
         --vllm-url http://127.0.0.1:8011                      # already-running servers
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from policies.measurement import ArmWarmState, gate_comparison  # noqa: E402
-from schemas.bench import CompileCacheState, PrefixCacheStart  # noqa: E402
+from schemas.bench import CompileCacheState, PrefixCacheStart, WarmState  # noqa: E402
 
 MODEL = "smollm2"
 COMPILE_LOG_LINE = re.compile(rb"(?i)\bcompiling\b|aot compiled function")
@@ -231,15 +231,14 @@ async def measure_levels(client: httpx.AsyncClient, arms: list[Arm], cfg: BenchC
 def warm_state(arm: Arm, concurrency: int, record: ArmRecord) -> ArmWarmState:
     """First measured request (first rep, first prompt) against the median of the rest."""
     latencies = [r.latency_s for rep in record.reps for r in rep.results]
-    return ArmWarmState(
-        arm=f"{arm.name}@c{concurrency}",
+    return ArmWarmState(f"{arm.name}@c{concurrency}", WarmState(
         warmup_done=record.warmup_done,
         compile_cache=arm.compile_cache,
         request_time_compilation=record.compiled_during_run,
         prefix_cache_at_start=PrefixCacheStart.WARM_DISJOINT,  # fresh random prompts only
         first_request_latency_s=latencies[0],
         steady_state_latency_s=statistics.median(latencies[1:] or latencies),
-    )
+    ))
 
 
 async def prefix_experiment(client: httpx.AsyncClient, arm: Arm, cfg: BenchConfig,
@@ -325,11 +324,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def native_server(model_dir: Path | None, args: argparse.Namespace) -> Iterator[Arm]:
-    """`python -m native_engine.server` on a free port, stopped (SIGTERM, then kill) after."""
+    """`python -m native_engine.serve.server` on a free port, stopped (SIGTERM, then kill) after."""
     port = free_port()
     log_path = ROOT / ".fak-test-cache" / "logs" / f"bench-native-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "native_engine.server", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "native_engine.serve.server", "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", MODEL,
            "--max-model-len", str(args.max_model_len), "--block-size", str(args.block_size),
            "--num-blocks", str(args.num_blocks), "--max-num-seqs", "64",
@@ -363,48 +362,20 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Pat
     raise RuntimeError(f"native server not healthy after {timeout_s:.0f} s; log {log_path}")
 
 
-@contextlib.contextmanager
-def vllm_server(args: argparse.Namespace) -> Iterator[Arm]:
-    """The integration suite's vLLM start-up, sized for the bench and compiled unless
-    --vllm-enforce-eager (eager is not the configuration vLLM is tuned for)."""
-    from tests.integration.vllm_server import VllmServerConfig, running_vllm_server
-
-    config = VllmServerConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                              max_model_len=args.max_model_len, dev_mode=False,
-                              enforce_eager=args.vllm_enforce_eager, startup_timeout_s=1500.0)
-    with running_vllm_server(config) as server:
-        print(f"vLLM up in {server.startup_s:.0f} s on {server.hf_dir} ({server.hf_source})")
-        arm = Arm("vllm", server.base_url, None, server.log_path)
-        yield replace(arm, compile_cache=vllm_compile_cache(arm, args.vllm_enforce_eager))
-
-
-def vllm_compile_cache(arm: Arm, enforce_eager: bool) -> CompileCacheState:
-    """Eager: not applicable. Compiled: cold when start-up compiled (no usable cache entry,
-    e.g. "Compiling model again due to a load failure"), else warm (loaded from the cache)."""
-    if enforce_eager:
-        return CompileCacheState.NOT_APPLICABLE
-    return CompileCacheState.COLD if compiled_since(arm, 0) else CompileCacheState.WARM
-
-
 def export_dir() -> Path:
-    """fak's HF export of the embedded model (cached under .fak-test-cache/hf)."""
-    from tests.integration.vllm_server import (
-        VllmServerConfig,
-        fak_export_hf_dir,
-        find_embedded_gguf,
-    )
-
-    path = fak_export_hf_dir(VllmServerConfig(), find_embedded_gguf())
-    if path is None:
-        raise RuntimeError("fak model export-hf failed; see .fak-test-cache/logs")
-    return path
+    """`fak model export-hf` of the embedded model into .fak-test-cache/hf-bench (once)."""
+    target = ROOT / ".fak-test-cache" / "hf-bench"
+    if not (target / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "governor.cli", "model", "export-hf",
+                        str(target)], cwd=ROOT, check=True)
+    return target
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--native-url", help="use this running native server (no /v1 suffix)")
     p.add_argument("--vllm-url", help="use this running vLLM server (no /v1 suffix)")
-    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true", help="native only")
     p.add_argument("--vllm-enforce-eager", action="store_true")
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
     p.add_argument("--requests-per-level", type=int,
@@ -441,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.vllm_url:
             arms.append(Arm("vllm", args.vllm_url, None))
         elif not args.skip_vllm:
-            arms.append(stack.enter_context(vllm_server(args)))
+            raise SystemExit("give --vllm-url (a vLLM serving `fak model export-hf`'s "
+                             "directory) or --skip-vllm")
         asyncio.run(run(cfg, arms))
     print(f"load at the end {load_average()}")
 

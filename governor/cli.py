@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["engine", "serve"]:
         # Its flags mirror vLLM's and belong to the server's own parser.
-        from native_engine.server import main as engine_serve_main
+        from native_engine.serve.server import main as engine_serve_main
 
         return engine_serve_main(argv[2:], prog="fak engine serve")
     args = build_parser().parse_args(argv)
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args.prompt, args.chat, args.max_tokens, args.temperature,
                                 args.seed, args.model, args.attention_backend, args.device)
         if args.command == "model":
-            from native_engine.export_hf import cmd_export_hf
+            from native_engine.model.export_hf import cmd_export_hf
 
             return cmd_export_hf(args.outdir)
         if args.command == "quarantine":
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return cmd_tenants(args)
         if args.command == "audit":
-            from governor.audit_log import cmd_audit_checkpoint, cmd_audit_verify
+            from governor.audit.cli import cmd_audit_checkpoint, cmd_audit_verify
 
             if args.audit_command == "verify":
                 return cmd_audit_verify(args.log, args.anchor)

@@ -13,8 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from adapters.driver import EngineDriver
-from governor.app import build_app
-from governor.audit_log import AuditLog, AuditLogConfig
+from governor.audit.log import AuditLog, AuditLogConfig
 from governor.auth import sha256_hex
 from governor.config import (
     EngineSection,
@@ -24,6 +23,7 @@ from governor.config import (
     load_config,
     parse_config,
 )
+from governor.http.app import build_app
 from governor.secrets import StartupRefused, TenantEpochs, load_salt_key
 from governor.state import Governor
 from policies.salts import SaltKey, SaltKeyError

@@ -7,12 +7,13 @@ from typing import Any
 
 from adapters.driver import EngineDriver
 from governor.admission import Admission
-from governor.audit_log import AuditLog, AuditLogError
+from governor.audit.entry import AuditLogError
+from governor.audit.log import AuditLog
 from governor.auth import Authenticator
 from governor.config import GovernorConfig, TenantConfig
+from governor.http.validation import bad_request
 from governor.metrics import GovernorMetrics
 from governor.secrets import TenantEpochs
-from governor.validation import bad_request
 from policies.priority import PriorityConfig, admission_rank, engine_priority
 from policies.salts import SaltKey, find_client_salts, strip_client_salts, tenant_salt
 from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from native_engine.model_runner import RunnerConfig
+    from native_engine.model.runner import RunnerConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -72,7 +72,7 @@ class EngineConfig:
 
     def runner_config(self, **overrides: Any) -> RunnerConfig:
         """The model runner's config for this pool (block_size and num_blocks must agree)."""
-        from native_engine.model_runner import RunnerConfig
+        from native_engine.model.runner import RunnerConfig
 
         return RunnerConfig(
             model_path=self.model,

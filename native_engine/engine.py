@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from native_engine.block_pool import BlockPool
 from native_engine.config import EngineConfig
-from native_engine.radix_cache import CacheEventListener, RadixCache
+from native_engine.kvcache.block_pool import BlockPool
+from native_engine.kvcache.radix_cache import CacheEventListener, RadixCache
 from native_engine.request import Request, RequestStatus, SamplingParams
 from native_engine.sampler import Sample, sample
 from native_engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
-    from native_engine.weights import LoadedModel
+    from native_engine.model.loaded import LoadedModel
 
 
 class Runner(Protocol):
-    """The model side (native_engine.model_runner.ModelRunner)."""
+    """The model side (native_engine.model.runner.ModelRunner)."""
 
     def execute(self, batch: Any) -> torch.Tensor: ...
 
@@ -122,7 +122,7 @@ class LLMEngine:
     ) -> LLMEngine:
         """Load the model named by `config.model` (None: the embedded one; `loaded`: an
         already loaded one) and build the engine over it."""
-        from native_engine.model_runner import ModelRunner
+        from native_engine.model.runner import ModelRunner
 
         runner = ModelRunner(config.runner_config(), loaded)
         return cls(config, runner, runner.tokenizer, listener)
@@ -216,7 +216,7 @@ class LLMEngine:
         return [self._append(r, s) for r, s in zip(reqs, samples, strict=True)]
 
     def _build_batch(self, plan: SchedulerOutput) -> Any:
-        from native_engine.model_runner import RunnerBatch
+        from native_engine.model.runner import RunnerBatch
 
         return build_batch(plan, self.pool, RunnerBatch)
 
@@ -321,7 +321,7 @@ class LLMEngine:
     # -- cache control ------------------------------------------------------------------
 
     def evict_span(self, namespace: str | None, tokens: Sequence[int], start: int) -> int:
-        """Exact-span eviction (design §5); unfinished requests on that path stop caching
+        """Exact-span eviction (docs/design.md §5); unfinished requests on that path stop caching
         past `start`, so the span cannot come back when they finish. Returns tokens evicted."""
         if self.cache is None:
             return 0

@@ -1,4 +1,4 @@
-"""Per-request state as plain counters (design §6), and the sampling parameters.
+"""Per-request state as plain counters (docs/design.md §6), and the sampling parameters.
 
 A request's tokens are `token_ids` = prompt followed by outputs. `num_computed_tokens` counts
 the leading tokens whose KV is written in the slots named by `block_table`; the next forward
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from schemas.values import is_int
 
 MAX_LOGPROBS = 20
 
@@ -65,7 +67,7 @@ class SamplingParams:
         self.stop_token_ids = _as_tuple(self.stop_token_ids, int, "stop_token_ids")
         if self.top_k == -1:
             self.top_k = 0
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an int >= 1")
+        _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an int >= 1")
         _check(
             isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
             and self.temperature >= 0,
@@ -74,16 +76,16 @@ class SamplingParams:
         _check(
             isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"
         )
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k must be -1, 0 or a positive int")
-        _check(self.seed is None or _is_int(self.seed), "seed must be an int or None")
+        _check(is_int(self.top_k) and self.top_k >= 0, "top_k must be -1, 0 or a positive int")
+        _check(self.seed is None or is_int(self.seed), "seed must be an int or None")
         _check(all(s for s in self.stop), "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         _check(
             self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be None or an int in [0, {MAX_LOGPROBS}]",
         )
-        _check(_is_int(self.priority), "priority must be an int")
+        _check(is_int(self.priority), "priority must be an int")
         _check(
             self.namespace is None or isinstance(self.namespace, str),
             "namespace must be a str or None",
@@ -93,9 +95,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -138,7 +137,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
-        if not all(_is_int(t) and t >= 0 for t in self.prompt_token_ids):
+        if not all(is_int(t) and t >= 0 for t in self.prompt_token_ids):
             raise ValueError("prompt token ids must be ints >= 0")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)

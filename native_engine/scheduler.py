@@ -1,4 +1,4 @@
-"""Scheduler with vLLM V1 semantics (design §6).
+"""Scheduler with vLLM V1 semantics (docs/design.md §6).
 
 Each step spends a token budget (`max_num_batched_tokens`) over at most `max_num_seqs`
 requests: running requests first (decodes and unfinished prefill chunks), then waiting ones
@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from native_engine.block_pool import BlockPool
 from native_engine.config import EngineConfig
-from native_engine.radix_cache import MatchResult, RadixCache
+from native_engine.kvcache.block_pool import BlockPool
+from native_engine.kvcache.radix_cache import MatchResult, RadixCache
 from native_engine.request import Request, RequestStatus
 
 

@@ -1,4 +1,4 @@
-"""Operator determinism declarations (design §2, §3).
+"""Operator determinism declarations (docs/design.md §2, §3).
 
 The declaration is parsed, never inferred: nothing here looks at sampling settings, so
 `temperature=0` proves nothing. Accepted spellings are the `Determinism` values with any

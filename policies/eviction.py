@@ -1,4 +1,4 @@
-"""Value-aware eviction (design §3), used by the native engine's radix cache.
+"""Value-aware eviction (docs/design.md §3), used by the native engine's radix cache.
 
     value(c) = recompute_cost(c.tokens) × reuse_probability(c.hits, total_accesses) / c.bytes
 

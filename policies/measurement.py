@@ -1,4 +1,5 @@
-"""Measurement gates: is an A/B arm warm enough to be compared? (design §3, benchmarking §6)
+"""Measurement gates: is an A/B arm warm enough to be compared? (docs/design.md §3,
+docs/reference/benchmarking.md §6)
 
 Each arm carries its warm state. A field left `None` was *not observed*, which is different
 from an observed `False`. Classification takes the first rule that fires:
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from schemas.bench import (
     VERDICT_COMPARABLE,
@@ -29,6 +30,7 @@ from schemas.bench import (
     ArmClass,
     CompileCacheState,
     PrefixCacheStart,
+    WarmState,
 )
 
 
@@ -52,31 +54,28 @@ class GateConfig:
 
 @dataclass(frozen=True, slots=True)
 class ArmWarmState:
-    """Warm state of one arm. Latencies are seconds: the first measured request after
-    warm-up, and the steady-state (median) latency of the rest of the run."""
+    """One named arm and its observed warm state. Latencies in `state` are seconds: the
+    first measured request after warm-up, and the steady-state (median) latency of the rest
+    of the run; the gate needs both positive when observed."""
 
     arm: str
-    warmup_done: bool | None = None
-    compile_cache: CompileCacheState | None = None
-    request_time_compilation: bool | None = None
-    prefix_cache_at_start: PrefixCacheStart | None = None
-    first_request_latency_s: float | None = None
-    steady_state_latency_s: float | None = None
-    declared: ArmClass | None = None
+    state: WarmState = field(default_factory=WarmState)
 
     def __post_init__(self) -> None:
         if not isinstance(self.arm, str) or not self.arm:
             raise ValueError("arm name must be a non-empty string")
+        if not isinstance(self.state, WarmState):
+            raise TypeError("state must be a schemas.bench.WarmState")
         for name in ("first_request_latency_s", "steady_state_latency_s"):
-            value = getattr(self, name)
+            value = getattr(self.state, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {value}")
 
     def unobserved(self) -> tuple[str, ...]:
         return tuple(
             f.name
-            for f in fields(self)
-            if f.name not in ("arm", "declared") and getattr(self, f.name) is None
+            for f in fields(self.state)
+            if f.name != "declared" and getattr(self.state, f.name) is None
         )
 
 
@@ -95,7 +94,8 @@ class ComparisonGate:
     arms: tuple[ArmVerdict, ...]
 
 
-def _cold_reasons(state: ArmWarmState, config: GateConfig) -> list[str]:
+def _cold_reasons(arm: ArmWarmState, config: GateConfig) -> list[str]:
+    state = arm.state
     reasons = []
     if state.request_time_compilation is True:
         reasons.append("request_time_compilation_observed")
@@ -119,13 +119,14 @@ def classify_arm(state: ArmWarmState, config: GateConfig = GateConfig()) -> ArmV
     unobserved = state.unobserved()
     if unobserved:
         reasons.append("not_observed:" + ",".join(unobserved))
-    if state.prefix_cache_at_start is PrefixCacheStart.CONTAMINATED:
+    declared = state.state.declared
+    if state.state.prefix_cache_at_start is PrefixCacheStart.CONTAMINATED:
         reasons.append("prefix_cache_contaminated")
     if computed is ArmClass.TUNED and (unobserved or "prefix_cache_contaminated" in reasons):
         computed = ArmClass.DIAGNOSTIC
-    if state.declared is not None and _severity(state.declared) > _severity(computed):
-        reasons.append(f"declared_{state.declared.value}")
-        computed = state.declared
+    if declared is not None and _severity(declared) > _severity(computed):
+        reasons.append(f"declared_{declared.value}")
+        computed = declared
     return ArmVerdict(state.arm, computed, tuple(reasons))
 
 
@@ -144,11 +145,11 @@ def gate_comparison(
         for v in verdicts
         if v.classification is not ArmClass.TUNED
     ]
-    starts = {a.prefix_cache_at_start for a in arms}
+    starts = {a.state.prefix_cache_at_start for a in arms}
     if len(starts) > 1:
         reasons.append(
             "prefix cache state at start differs: "
-            + ", ".join(f"{a.arm}={a.prefix_cache_at_start}" for a in arms)
+            + ", ".join(f"{a.arm}={a.state.prefix_cache_at_start}" for a in arms)
         )
     allowed = not reasons
     return ComparisonGate(

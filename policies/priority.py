@@ -1,11 +1,12 @@
-"""Tenant class → engine priority and admission rank (design §3).
+"""Tenant class → engine priority and admission rank (docs/design.md §3).
 
 Classes are ordered from soonest to latest. The admission rank is the index in that order
 (0 = admitted first) and is used by the governor's own queue whatever the engine supports.
 The engine value is the rank's distance from the baseline class, signed for the engine's
 direction, so the baseline class maps to 0 — vLLM's default — and a request sent without
 a priority competes as the baseline class. No value is emitted when the engine lacks
-`priority_scheduling` (vLLM V1 silently ignores priority under FCFS, vllm-surfaces §1.3).
+`priority_scheduling` (vLLM V1 silently ignores priority under FCFS,
+docs/reference/vllm-surfaces.md §1.3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Quarantine planning: which removal an engine can perform for a poisoned span (design §3).
+"""Quarantine planning: which removal an engine can perform for a poisoned span (docs/design.md §3).
 
 Preference, strongest first:
 

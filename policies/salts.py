@@ -1,4 +1,4 @@
-"""Tenant cache salts and client salt inputs (design §3, SEC-1, SEC-2).
+"""Tenant cache salts and client salt inputs (docs/design.md §3, SEC-1, SEC-2).
 
 Derivation (SEC-1):
 
@@ -31,7 +31,8 @@ MIN_KEY_BYTES = 32
 
 VLLM_SALT_MAX_CHARS = 128
 VLLM_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
-# Messages exactly as vLLM 0.32.0 puts them in `error.message` (recorded, vllm-surfaces §5).
+# Messages exactly as vLLM 0.32.0 puts them in `error.message` (recorded,
+# docs/reference/vllm-surfaces.md §5).
 VLLM_SALT_NOT_NONEMPTY = (
     "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"
 )

@@ -1,4 +1,4 @@
-"""Audit records and signed checkpoints (security.md §7, SEC-12..14).
+"""Audit records and signed checkpoints (docs/security.md §7, SEC-12..14).
 
 Minimisation (SEC-14) is built into the types: a span is only ever a digest and a length,
 and every free-form field is an identifier or a reason *code* (lowercase, no spaces, ≤ 128
@@ -12,6 +12,8 @@ import enum
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from schemas.values import is_int
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 HEX128 = re.compile(r"[0-9a-f]{128}")
@@ -36,9 +38,6 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _check_optional(name: str, value: object, pattern: re.Pattern[str]) -> None:
     if value is not None:
@@ -48,7 +47,7 @@ def _check_optional(name: str, value: object, pattern: re.Pattern[str]) -> None:
 
 def _check_optional_count(name: str, value: object) -> None:
     if value is not None:
-        _require(_is_int(value) and value >= 0, f"{name} must be an int ≥ 0, got {value!r}")
+        _require(is_int(value) and value >= 0, f"{name} must be an int ≥ 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +64,12 @@ class SpanRef:
     def __post_init__(self) -> None:
         _require(isinstance(self.digest, str) and HEX64.fullmatch(self.digest) is not None,
                  "span digest must be 64 lowercase hex characters")
-        _require(_is_int(self.length) and self.length >= 0, "span length must be an int ≥ 0")
+        _require(is_int(self.length) and self.length >= 0, "span length must be an int ≥ 0")
 
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """The facts behind a state (SEC-11, security.md §7.8), all codes or counts.
+    """The facts behind a state (SEC-11, docs/security.md §7.8), all codes or counts.
 
     `kv_events` summarises the KV-event evidence, e.g. `all_blocks_cleared`, `seq_gap`;
     `kv_seq_from`/`kv_seq_to` the sequence range seen after the watermark; probe fields are
@@ -134,8 +133,8 @@ class AuditRecord:
     event: AuditEvent
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.index) and self.index >= 0, "index must be an int ≥ 0")
-        _require(_is_int(self.time_ms) and self.time_ms >= 0, "time_ms must be an int ≥ 0")
+        _require(is_int(self.index) and self.index >= 0, "index must be an int ≥ 0")
+        _require(is_int(self.time_ms) and self.time_ms >= 0, "time_ms must be an int ≥ 0")
         _require(isinstance(self.event, AuditEvent), "event must be an AuditEvent")
 
     @classmethod
@@ -175,8 +174,8 @@ class SignedCheckpoint:
     signature: str
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.tree_size) and self.tree_size >= 0, "tree_size must be ≥ 0")
-        _require(_is_int(self.timestamp_ms) and self.timestamp_ms >= 0,
+        _require(is_int(self.tree_size) and self.tree_size >= 0, "tree_size must be ≥ 0")
+        _require(is_int(self.timestamp_ms) and self.timestamp_ms >= 0,
                  "timestamp_ms must be an int ≥ 0")
         for name in ("root_hash", "key_id", "public_key"):
             value = getattr(self, name)

@@ -1,4 +1,5 @@
-"""The A/B benchmark artifact (benchmarking.md §6, design §3 "measurement gates").
+"""The A/B benchmark artifact (docs/reference/benchmarking.md §6, docs/design.md §3 "measurement
+gates").
 
 One artifact per comparison: every arm with its engine, configuration, warm state,
 classification and figures, and the comparison verdict. The rule it encodes: one arm that
@@ -12,6 +13,8 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, fields
+
+from schemas.values import is_int
 
 VERDICT_COMPARABLE = "COMPARABLE"
 VERDICT_NOT_COMPARABLE = "NOT COMPARABLE"
@@ -107,8 +110,7 @@ class ArmFigures:
         _check_nonneg(self)
         for name in ("repetitions", "completed", "failed", "output_tokens"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool),
-                     f"{name} must be an int")
+            _require(is_int(value), f"{name} must be an int")
         _require(self.repetitions >= 1, "repetitions must be ≥ 1")
         ratio = self.prefix_cache_hit_ratio
         _require(ratio is None or ratio <= 1, "prefix_cache_hit_ratio is a fraction 0..1")
@@ -158,7 +160,8 @@ class Comparison:
 @dataclass(frozen=True, slots=True)
 class ABArtifact:
     """`created_at`: ISO 8601 UTC; `tool`: what produced the figures, with its version;
-    `host` and `workload`: the facts benchmarking.md §6 rules 1-4 require be recorded."""
+    `host` and `workload`: the facts docs/reference/benchmarking.md §6 rules 1-4 require be
+    recorded."""
 
     created_at: str
     tool: str

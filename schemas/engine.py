@@ -26,7 +26,7 @@ class PriorityDirection(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class EngineCapabilities:
-    """Capability record of one engine (design §2). Unknown = off."""
+    """Capability record of one engine (docs/design.md §2). Unknown = off."""
 
     engine_kind: Literal["native", "vllm"]
     model_id: str

@@ -1,4 +1,4 @@
-"""Normalised KV-cache events (design §5). Hashes are uint64 (bytes folded, ints masked)."""
+"""Normalised KV-cache events (docs/design.md §5). Hashes are uint64 (bytes folded, ints masked)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Normalised serving metrics: one `fak_serving_*` record whatever the engine (design §5).
+"""Normalised serving metrics: one `fak_serving_*` record whatever the engine (docs/design.md §5).
 
 Every field is None when the engine does not export it — never a false 0. Counters are the
 deltas over the scrape window (or totals since engine start when there is no earlier
 scrape); `prefix_cache_hit_ratio` is windowed hits / queries; latency quantiles are seconds,
 estimated from the engine's histograms over the same window. `itl_*` is vLLM's
-inter-token latency: per output chunk, not per token (vllm-surfaces.md §3).
+inter-token latency: per output chunk, not per token (docs/reference/vllm-surfaces.md §3).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The TOML key for a tenant's class is `class` (a Python keyword), hence `tenant_class` here
 and `to_toml_dict` / `from_toml_dict` for the document form that `schemas/json/
 tenant_config.json` describes. Determinism stays the operator's text: the policy parses it
-and anything it does not know means `unavailable` (design §3).
+and anything it does not know means `unavailable` (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from schemas.values import is_int
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 TENANT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -24,7 +26,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Capabilities of a ridden vLLM: operator declarations checked by start-up probes (design §2).
+"""Capabilities of a ridden vLLM: operator declarations checked by start-up probes (docs/design.md
+§2).
 
 Probes: `GET /v1/models` (model id, `max_model_len`), `GET /metrics` (parses; block size from
 `vllm:cache_config_info`), the KV-event endpoints (a publisher completes

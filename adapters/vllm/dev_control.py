@@ -1,10 +1,11 @@
-"""Opt-in dev-mode control client: `POST /reset_prefix_cache` and nothing else (design §1).
+"""Opt-in dev-mode control client: `POST /reset_prefix_cache` and nothing else (docs/design.md §1).
 
 Only for an engine the operator declares runs with `VLLM_SERVER_DEV_MODE=1`; off by default
 (`enabled=False` refuses every call before a socket opens). It has its own allowlist of one
 path, and every call — refused, failed or not — is handed to the audit callback.
 
-Replies (vllm-surfaces.md §4): 0.32.0 answers 200 `{"success": true|false}` (false while a
+Replies (docs/reference/vllm-surfaces.md §4): 0.32.0 answers 200 `{"success": true|false}` (false
+while a
 generation runs) → SUCCEEDED / FAILED; older releases answer 200 with an empty body even when
 the reset failed → UNKNOWN. Any other status is FAILED (404 = dev mode is off).
 """

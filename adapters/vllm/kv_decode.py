@@ -1,4 +1,5 @@
-"""Decode vLLM KV-cache event messages, every wire version (vllm-surfaces.md §2.2, §2.4, §2.6).
+"""Decode vLLM KV-cache event messages, every wire version (docs/reference/vllm-surfaces.md §2.2,
+§2.4, §2.6).
 
 A message is `[topic, seq (8 bytes big-endian), payload (msgpack)]`. The payload batch is an
 array `[ts, events]` (S1) or `[ts, events, dp_rank]` (S2+), or a map (one unshipped commit).
@@ -17,6 +18,7 @@ from typing import Any
 import msgpack
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from schemas.values import is_int
 
 U64_MASK = (1 << 64) - 1
 END_SEQ = b"\xff" * 8
@@ -42,13 +44,10 @@ class KVDecodeError(ValueError):
     """A KV-event message that does not decode to known records."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def fold_hash(value: Any) -> int:
     """An ExternalBlockHash (int or bytes) as uint64, the way vLLM folds digests."""
-    if _is_int(value):
+    if is_int(value):
         return value & U64_MASK
     if isinstance(value, bytes):
         if not value:
@@ -70,7 +69,7 @@ def _optional(value: Any, check: Callable[[Any], bool], what: str) -> Any:
 
 
 def _int_list(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+    if not isinstance(value, list) or not all(is_int(v) for v in value):
         raise KVDecodeError(f"{what} is not a list of integers")
     return tuple(value)
 
@@ -102,7 +101,7 @@ def _extra_keys(value: Any) -> tuple[Any, ...] | None:
 
 def _stored(f: dict[str, Any]) -> BlockStored:
     block_size = f.get("block_size")
-    if not _is_int(block_size) or block_size <= 0:
+    if not is_int(block_size) or block_size <= 0:
         raise KVDecodeError(f"block_size is not a positive integer: {block_size!r}")
     parent = f.get("parent_block_hash")
     return BlockStored(
@@ -110,11 +109,11 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         parent_block_hash=None if parent is None else fold_hash(parent),
         token_ids=_int_list(f.get("token_ids"), "token_ids"),
         block_size=block_size,
-        lora_id=_optional(f.get("lora_id"), _is_int, "lora_id"),
+        lora_id=_optional(f.get("lora_id"), is_int, "lora_id"),
         medium=_optional(f.get("medium"), lambda v: isinstance(v, str), "medium"),
         lora_name=_optional(f.get("lora_name"), lambda v: isinstance(v, str), "lora_name"),
         extra_keys=_extra_keys(f.get("extra_keys")),
-        group_idx=_optional(f.get("group_idx"), _is_int, "group_idx"),
+        group_idx=_optional(f.get("group_idx"), is_int, "group_idx"),
         kv_cache_spec_kind=_optional(
             f.get("kv_cache_spec_kind"), lambda v: isinstance(v, str), "kv_cache_spec_kind"
         ),
@@ -125,7 +124,7 @@ def _removed(f: dict[str, Any]) -> BlockRemoved:
     return BlockRemoved(
         block_hashes=_hash_list(f.get("block_hashes")),
         medium=_optional(f.get("medium"), lambda v: isinstance(v, str), "medium"),
-        group_idx=_optional(f.get("group_idx"), _is_int, "group_idx"),
+        group_idx=_optional(f.get("group_idx"), is_int, "group_idx"),
     )
 
 
@@ -181,7 +180,7 @@ def decode_payload(payload: bytes, seq: int) -> KVEventBatch:
         raise KVDecodeError(f"batch ts is not a number: {ts!r}")
     if not isinstance(events, list):
         raise KVDecodeError("batch events is not a list")
-    rank = _optional(dp_rank, _is_int, "data_parallel_rank")
+    rank = _optional(dp_rank, is_int, "data_parallel_rank")
     return KVEventBatch(
         seq=seq,
         ts=float(ts),
@@ -201,7 +200,7 @@ def decode_replay_reply(frames: Sequence[bytes]) -> KVEventBatch | None:
     """One replay reply as a DEALER receives it; None for the end marker.
 
     ≤ v0.25: `["", seq, payload]`; ≥ v0.26: `["", topic, seq, payload]`; the end marker has
-    the seq frame `ff×8` or an empty payload (vllm-surfaces.md §2.3).
+    the seq frame `ff×8` or an empty payload (docs/reference/vllm-surfaces.md §2.3).
     """
     parts = list(frames[1:]) if frames and frames[0] == b"" else list(frames)
     if len(parts) == 3:

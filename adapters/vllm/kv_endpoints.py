@@ -1,4 +1,4 @@
-"""Which side of a vLLM KV-event socket binds (vllm-surfaces.md §2.2, §5).
+"""Which side of a vLLM KV-event socket binds (docs/reference/vllm-surfaces.md §2.2, §5).
 
 vLLM's PUB binds when its endpoint contains `*` or `::` or is `ipc://` / `inproc://`, and
 connects otherwise; its replay ROUTER always binds. A subscriber does the opposite of the

@@ -1,4 +1,5 @@
-"""Asyncio ZeroMQ subscriber for vLLM KV-cache events (design §5, vllm-surfaces.md §2).
+"""Asyncio ZeroMQ subscriber for vLLM KV-cache events (docs/design.md §5,
+docs/reference/vllm-surfaces.md §2).
 
 One subscriber follows one vLLM publisher endpoint; `seq` is tracked per DP rank (the rank
 comes from each batch) and every rank has its own ShadowIndex. Per rank:

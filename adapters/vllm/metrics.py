@@ -1,4 +1,5 @@
-"""vLLM `/metrics` → one normalised record (design §5 "Metrics", vllm-surfaces.md §3).
+"""vLLM `/metrics` → one normalised record (docs/design.md §5 "Metrics",
+docs/reference/vllm-surfaces.md §3).
 
 The exposition is parsed by prometheus_client's parser; this module only picks samples. Every
 vLLM name generation maps to the same field (`gpu_*` → `kv_*` / `prefix_*`,

@@ -1,4 +1,4 @@
-"""What one engine rank holds in its prefix cache, rebuilt from KV events (design §5).
+"""What one engine rank holds in its prefix cache, rebuilt from KV events (docs/design.md §5).
 
 Each resident block hash maps to its parent, its namespace (the `cache_salt` read from block
 0's `extra_keys`, inherited down the parent chain; later blocks' entries, null or not, never
@@ -46,7 +46,7 @@ class Attribution:
 
 
 def salt_from_root_keys(keys: Any, lora_name: str | None) -> Attribution:
-    """The cache salt in block 0's extra keys (vllm-surfaces.md §2.7).
+    """The cache salt in block 0's extra keys (docs/reference/vllm-surfaces.md §2.7).
 
     vLLM concatenates LoRA name + multimodal ids + salt + prompt-embeds digest. Typed keys
     (`{"type": "cache_salt", "salt": s}` or `("cache_salt", s)`) are read directly; otherwise

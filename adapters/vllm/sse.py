@@ -1,4 +1,5 @@
-"""SSE events and response bodies from vLLM as `StreamChunk`s (vllm-surfaces.md §1.5-1.6).
+"""SSE events and response bodies from vLLM as `StreamChunk`s (docs/reference/vllm-surfaces.md
+§1.5-1.6).
 
 The SSE framing itself is parsed by httpx-sse; this module only turns each event's data into
 a chunk, unchanged: the role-only first chunk, content chunks, the usage chunk

@@ -1,7 +1,8 @@
 """vLLM error bodies and transport failures as `schemas.engine.EngineError`.
 
 vLLM ≥ 0.10.1 answers `{"error": {"message", "type", "param", "code"}}`; earlier releases a
-flat `{"object": "error", "message", "type", "param", "code"}` (vllm-surfaces.md §1.7). Both
+flat `{"object": "error", "message", "type", "param", "code"}` (docs/reference/vllm-surfaces.md
+§1.7). Both
 are passed through with the upstream status. Transport failures become 502 (refused, reset,
 broken stream) or 504 (timeouts), OpenAI-style.
 """

@@ -1,4 +1,4 @@
-"""The only way this package builds an engine URL (design §1).
+"""The only way this package builds an engine URL (docs/design.md §1).
 
 Every URL comes out of `guarded_url`, which checks the request line against an allowlist and
 fails closed: a path outside the allowlist, or one whose decoded form contains `..`,

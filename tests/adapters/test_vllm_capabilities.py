@@ -1,4 +1,4 @@
-"""Capability probes against the 0.32.0 imitation and real ZeroMQ sockets (design §2)."""
+"""Capability probes against the 0.32.0 imitation and real ZeroMQ sockets (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""KV-event decoding: oracle cases 0, 1, 3 of vllm-surfaces.md §2.9, recorded frames, fuzz."""
+"""KV-event decoding: oracle cases 0, 1, 3 of docs/reference/vllm-surfaces.md §2.9, recorded
+frames, fuzz."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""ShadowIndex: oracle cases 2, 4, 8, 9 of vllm-surfaces.md §2.9, namespaces, recorded runs."""
+"""ShadowIndex: oracle cases 2, 4, 8, 9 of docs/reference/vllm-surfaces.md §2.9, namespaces,
+recorded runs."""
 
 from __future__ import annotations
 

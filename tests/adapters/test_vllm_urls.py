@@ -1,4 +1,4 @@
-"""The URL constructors never emit a path outside the allowlist (design §1)."""
+"""The URL constructors never emit a path outside the allowlist (docs/design.md §1)."""
 
 from __future__ import annotations
 

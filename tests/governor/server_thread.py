@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from governor.app import build_app
+from governor.http.app import build_app
 from governor.state import Governor
 
 T = TypeVar("T")

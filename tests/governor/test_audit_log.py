@@ -18,24 +18,20 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 
-from governor import merkle
-from governor.audit_log import (
-    AuditLog,
+from governor.audit import merkle
+from governor.audit.cli import cmd_audit_checkpoint, cmd_audit_verify
+from governor.audit.entry import (
     AuditLogBusy,
-    AuditLogConfig,
-    AuditLogCorrupt,
     AuditLogError,
     canonical_json,
     check_append_only,
     checkpoints_path,
-    cmd_audit_checkpoint,
-    cmd_audit_verify,
     encode_line,
-    load_or_create_signing_key,
     public_key_path,
     sign_checkpoint,
-    verify,
 )
+from governor.audit.log import AuditLog, AuditLogConfig, load_or_create_signing_key
+from governor.audit.verify import AuditLogCorrupt, verify
 from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence, SignedCheckpoint, SpanRef
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,7 +319,8 @@ WRITER = textwrap.dedent("""
     import sys, time, os
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
-    from governor.audit_log import AuditLog, AuditLogConfig, encode_line, load_or_create_signing_key
+    from governor.audit.entry import encode_line
+    from governor.audit.log import AuditLog, AuditLogConfig, load_or_create_signing_key
     from schemas.audit import AuditEvent, AuditRecord, AuditState
     data_dir, mode = Path(sys.argv[2]), sys.argv[3]
     config = AuditLogConfig(data_dir, checkpoint_every_records=3)
@@ -394,7 +391,8 @@ def test_failed_write_makes_the_log_refuse_appends(tmp_path: Path) -> None:
         import resource, signal, sys
         from pathlib import Path
         sys.path.insert(0, sys.argv[1])
-        from governor.audit_log import AuditLog, AuditLogConfig, AuditLogError
+        from governor.audit.entry import AuditLogError
+        from governor.audit.log import AuditLog, AuditLogConfig
         from schemas.audit import AuditEvent, AuditState
         log = AuditLog.open(AuditLogConfig(Path(sys.argv[2])))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

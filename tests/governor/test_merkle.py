@@ -5,7 +5,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from governor import merkle
+from governor.audit import merkle
 
 # RFC 6962 / certificate-transparency reference inputs, roots, and proofs.
 CT_INPUTS = [

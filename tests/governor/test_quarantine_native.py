@@ -24,11 +24,11 @@ from governor.admin_client import (
     cmd_quarantine,
     cmd_tenants,
 )
-from governor.app import build_app
 from governor.auth import sha256_hex
 from governor.config import parse_config
-from governor.quarantine import QuarantineService
-from governor.quarantine_routes import add_quarantine_routes
+from governor.http.app import build_app
+from governor.quarantine.routes import add_quarantine_routes
+from governor.quarantine.service import QuarantineService
 from governor.serve import build_governor
 from governor.state import Governor
 from native_engine.config import EngineConfig

@@ -15,7 +15,8 @@ from governor.admin_client import (
     add_tenants_parser,
     quarantine_body,
 )
-from governor.quarantine import (
+from governor.quarantine.executors import CutReport, Facts, QuarantineConfig
+from governor.quarantine.service import (
     QuarantineRequest,
     QuarantineRequestError,
     SpanInput,
@@ -23,7 +24,6 @@ from governor.quarantine import (
     token_payload,
     verdict,
 )
-from governor.quarantine_engines import CutReport, Facts, QuarantineConfig
 from policies.salts import SaltKey
 from schemas.audit import AuditState
 

@@ -27,15 +27,15 @@ from adapters.vllm.dev_control import DevControlConfig, VLLMDevControl
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig, SyncState
 from governor.admin_client import add_quarantine_parser, add_tenants_parser, cmd_quarantine
-from governor.app import build_app
 from governor.auth import sha256_hex
 from governor.config import parse_config
-from governor.quarantine import QuarantineRequest, QuarantineService, SpanInput
-from governor.quarantine_engines import QuarantineConfig
-from governor.quarantine_routes import add_quarantine_routes
+from governor.http.app import build_app
+from governor.quarantine.executors import QuarantineConfig
+from governor.quarantine.routes import add_quarantine_routes
+from governor.quarantine.service import QuarantineRequest, QuarantineService, SpanInput
 from governor.serve import build_governor
 from governor.state import Governor
-from native_engine.kv_events import encode_batch
+from native_engine.serve.kv_wire import encode_batch
 from schemas.audit import AuditState
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 from tests.adapters.vllm_imitation import Imitation, start_imitation

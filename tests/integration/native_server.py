@@ -1,6 +1,6 @@
 """`fak engine serve` as a separate process, sized and flagged like the suite's vLLM server.
 
-It runs `python -m native_engine.server` from this checkout with the same pool (65 blocks of
+It runs `python -m native_engine.serve.server` from this checkout with the same pool (65 blocks of
 32 tokens), `max_model_len`, prompt-token details, priority scheduling, dev mode and KV
 events (PUB bound on `tcp://*:P`, so subscribers connect; ROUTER replay on loopback), so the
 adapter's integration suite can run against both engines unchanged. The object has the
@@ -85,7 +85,7 @@ def server_command(config: NativeServerConfig, http_port: int, kv_port: int,
                  "endpoint": f"tcp://*:{kv_port}",
                  "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": config.kv_topic}
     return [
-        sys.executable, "-m", "native_engine.server",
+        sys.executable, "-m", "native_engine.serve.server",
         "--host", "127.0.0.1", "--port", str(http_port),
         "--served-model-name", config.served_model_name,
         "--max-model-len", str(config.max_model_len),

@@ -26,8 +26,8 @@ from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
 from governor.auth import sha256_hex
 from governor.config import parse_config
-from governor.quarantine import QuarantineRequest, QuarantineService, SpanInput
-from governor.quarantine_engines import QuarantineConfig
+from governor.quarantine.executors import QuarantineConfig
+from governor.quarantine.service import QuarantineRequest, QuarantineService, SpanInput
 from governor.serve import build_governor
 from schemas.audit import AuditState
 from schemas.engine import EngineRequest

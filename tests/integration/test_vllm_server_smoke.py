@@ -81,7 +81,7 @@ def test_fak_exporter_matches_transformers_conversion() -> None:
     gguf = find_embedded_gguf()
     fak_dir = fak_export_hf_dir(config, gguf)
     reference_dir = transformers_hf_dir(config, gguf)
-    assert fak_dir is not None, "native_engine.export_hf failed; see logs/hf-conversion.log"
+    assert fak_dir is not None, "native_engine.model.export_hf failed; see logs/hf-conversion.log"
     assert reference_dir is not None, "transformers conversion failed"
     ours = load_file(fak_dir / "model.safetensors")
     theirs = load_file(reference_dir / "model.safetensors")

@@ -4,7 +4,7 @@ Steps (each fails with `VllmServerError`, never silently):
 1. `scripts/setup-vllm.sh` builds the vLLM environment (instant once its stamp exists).
 2. The embedded SmolLM2 GGUF becomes an HF directory, cached under
    `.fak-test-cache/hf/<source>-<digest>` (digest: the GGUF's SHA-256, plus the exporter
-   source when fak's own `native_engine.export_hf` did the export). fak's exporter is
+   source when fak's own `native_engine.model.export_hf` did the export). fak's exporter is
    preferred; transformers' GGUF loader (`scripts/hf_from_gguf.py`) is the fallback.
 3. `python -m vllm.entrypoints.openai.api_server` starts in its own process group with KV
    events on; `/health` is polled until 200.
@@ -191,9 +191,9 @@ def ensure_hf_dir(config: VllmServerConfig, gguf: Path) -> tuple[Path, str]:
 
 
 def fak_export_hf_dir(config: VllmServerConfig, gguf: Path) -> Path | None:
-    """fak's `native_engine.export_hf` output, cached by GGUF and exporter source digest;
+    """fak's `native_engine.model.export_hf` output, cached by GGUF and exporter source digest;
     None when the exporter is absent or fails (its log: logs/hf-conversion.log)."""
-    exporter = config.repo_root / "native_engine" / "export_hf.py"
+    exporter = config.repo_root / "native_engine" / "model" / "export_hf.py"
     if not exporter.is_file():
         return None
     key = _short_digest(file_sha256(gguf) + file_sha256(exporter))
@@ -340,7 +340,8 @@ def _wait_healthy(server: VllmServer, timeout_s: float) -> None:
 def _fak_export_cmd(config: VllmServerConfig, gguf: Path, outdir: Path) -> list[str]:
     # The project's interpreter runs fak's own exporter, in a child so a crash stays there.
     code = (
-        "import sys; from pathlib import Path; from native_engine.export_hf import export_hf; "
+        "import sys; from pathlib import Path; "
+        "from native_engine.model.export_hf import export_hf; "
         "export_hf(Path(sys.argv[1]), model_path=Path(sys.argv[2]))"
     )
     return [sys.executable, "-c", code, str(outdir), str(gguf)]

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from native_engine.block_pool import BlockPool
+from native_engine.kvcache.block_pool import BlockPool
 
 
 def test_slot_formula() -> None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from native_engine.server import RunningServer, ServerConfig, start_server
+from native_engine.serve.server import RunningServer, ServerConfig, start_server
 
 from ..conftest import VECTORS
 

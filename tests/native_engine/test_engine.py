@@ -11,9 +11,10 @@ import torch
 
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
-from native_engine.reference import ReferenceModel
+from native_engine.model.loaded import LoadedModel
 from native_engine.request import SamplingParams
-from native_engine.weights import LoadedModel, random_model
+from tests.native_engine.reference import ReferenceModel
+from tests.native_engine.tiny_model import random_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 

@@ -10,9 +10,10 @@ import pytest
 from native_engine.async_engine import AsyncLLMEngine, EngineDeadError
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
-from native_engine.reference import ReferenceModel
+from native_engine.model.loaded import LoadedModel
 from native_engine.request import SamplingParams
-from native_engine.weights import LoadedModel, random_model
+from tests.native_engine.reference import ReferenceModel
+from tests.native_engine.tiny_model import random_model
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ import torch
 
 from native_engine.config import EngineConfig
 from native_engine.engine import CompletedRequest, LLMEngine
-from native_engine.reference import ReferenceModel
+from native_engine.model.loaded import LoadedModel
+from native_engine.model.weights import load_model
 from native_engine.request import SamplingParams
-from native_engine.weights import LoadedModel, load_model
+from tests.native_engine.reference import ReferenceModel
 
 pytestmark = pytest.mark.slow
 

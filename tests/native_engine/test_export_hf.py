@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from native_engine.export_hf import cmd_export_hf, export_hf, export_model
-from native_engine.hf_loader import load_hf_dir
-from native_engine.reference import ReferenceModel
-from native_engine.weights import LoadedModel, load_model, random_model
+from native_engine.model.export_hf import cmd_export_hf, export_hf, export_model
+from native_engine.model.hf_loader import load_hf_dir
+from native_engine.model.loaded import LoadedModel
+from native_engine.model.weights import load_model
+from tests.native_engine.reference import ReferenceModel
+from tests.native_engine.tiny_model import random_model
 
 HF_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "chat_template.jinja", "generation_config.json"}
@@ -48,7 +50,7 @@ def test_random_model_round_trips(tmp_path: Path) -> None:
 
 
 def test_untied_and_bf16_export(tmp_path: Path) -> None:
-    from native_engine.weights import tiny_config
+    from tests.native_engine.tiny_model import tiny_config
 
     model = random_model(tiny_config(tie_word_embeddings=False), seed=4)
     export_model(model, tmp_path, torch.bfloat16)

@@ -20,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from adapters.vllm.kv_decode import decode_message, decode_replay_reply, fold_hash
 from adapters.vllm.shadow_index import ShadowIndex
-from native_engine.block_hash import (
+from native_engine.kvcache.block_hash import (
     NONE_HASH,
     block_hash,
     chain_digests,
@@ -29,20 +29,12 @@ from native_engine.block_hash import (
     prompt_digests,
     sha256_cbor,
 )
-from native_engine.block_pool import BlockPool
-from native_engine.kv_events import (
-    END_SEQ,
-    KVEventRecorder,
-    KVEventsConfig,
-    NullEventPublisher,
-    ZmqEventPublisher,
-    encode_batch,
-    encode_event,
-    endpoint_binds,
-    make_publisher,
-    offset_endpoint_port,
-)
-from native_engine.radix_cache import RadixCache
+from native_engine.kvcache.block_pool import BlockPool
+from native_engine.kvcache.events import KVEventRecorder, NullEventPublisher
+from native_engine.kvcache.radix_cache import RadixCache
+from native_engine.serve.kv_config import KVEventsConfig, endpoint_binds, offset_endpoint_port
+from native_engine.serve.kv_publisher import ZmqEventPublisher, make_publisher
+from native_engine.serve.kv_wire import END_SEQ, encode_batch, encode_event
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
@@ -597,7 +589,7 @@ def test_engine_steps_publish_what_its_cache_does(ctx: zmq.Context) -> None:
     from native_engine.config import EngineConfig
     from native_engine.engine import LLMEngine
     from native_engine.request import SamplingParams
-    from native_engine.weights import random_model
+    from tests.native_engine.tiny_model import random_model
 
     cfg = KVEventsConfig(
         enable_kv_cache_events=True,

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from native_engine import gguf_loader, weights
-from native_engine.gguf_loader import load_gguf, unpermute_rotary_rows
-from native_engine.llama import LlamaConfig
-from native_engine.weights import CHATML_TEMPLATE, LoadedModel, load_model, random_model
+from native_engine.model import gguf_loader, weights
+from native_engine.model.gguf_loader import load_gguf, unpermute_rotary_rows
+from native_engine.model.llama import LlamaConfig
+from native_engine.model.loaded import LoadedModel
+from native_engine.model.weights import load_model
+from tests.native_engine.tiny_model import CHATML_TEMPLATE, random_model
 
 Q = gguf.GGMLQuantizationType
 CYCLE = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1)

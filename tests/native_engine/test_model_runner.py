@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from native_engine.model_runner import BatchChunk, ModelRunner, RunnerBatch, RunnerConfig
-from native_engine.reference import ReferenceModel
-from native_engine.weights import load_model, random_model
+from native_engine.model.runner import ModelRunner, RunnerConfig
+from native_engine.model.weights import load_model
+from tests.native_engine.reference import ReferenceModel
+from tests.native_engine.runner_batches import BatchChunk, runner_batch
+from tests.native_engine.tiny_model import random_model
 
 
 @dataclass
@@ -52,7 +54,7 @@ def drive(runner: ModelRunner, prompts: list[list[int]], chunk_cap: int,
             n = min(chunk_cap, len(t.tokens) - t.computed)
             chunks.append(BatchChunk(t.tokens[t.computed:t.computed + n], t.computed,
                                      t.block_table))
-        logits = runner.execute(RunnerBatch.build(chunks, bs))
+        logits = runner.execute(runner_batch(chunks, bs))
         for t, chunk, row in zip(active, chunks, logits, strict=True):
             t.computed += len(chunk.token_ids)
             t.rows[t.computed - 1] = row
@@ -115,17 +117,17 @@ def test_copy_slots_and_read_slots_are_bit_exact(tiny: tuple) -> None:
 
 def test_batch_check_rejects_bad_batches(tiny: tuple) -> None:
     runner, _ = tiny
-    good = RunnerBatch.build([BatchChunk([5, 6], 0, [0])], runner.block_size)
+    good = runner_batch([BatchChunk([5, 6], 0, [0])], runner.block_size)
     runner.execute(good)
-    bad_slot = RunnerBatch.build([BatchChunk([5], 0, [runner.num_blocks])], runner.block_size)
+    bad_slot = runner_batch([BatchChunk([5], 0, [runner.num_blocks])], runner.block_size)
     with pytest.raises(ValueError, match="slot_mapping"):
         runner.execute(bad_slot)
     with pytest.raises(ValueError, match="block_table too short"):
-        RunnerBatch.build([BatchChunk([1] * 5, 0, [0])], 4)
+        runner_batch([BatchChunk([1] * 5, 0, [0])], 4)
     good.context_lens = torch.tensor([1], dtype=torch.int32)
     with pytest.raises(ValueError, match="context_lens"):
         runner.execute(good)
-    too_far = RunnerBatch.build([BatchChunk([1], runner.max_model_len, list(range(200)))], 4)
+    too_far = runner_batch([BatchChunk([1], runner.max_model_len, list(range(200)))], 4)
     with pytest.raises(ValueError, match="positions"):
         runner.execute(too_far)
 

@@ -15,8 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from native_engine.block_pool import BlockPool
-from native_engine.radix_cache import Node, RadixCache, chain_hashes, lru_victims
+from native_engine.kvcache.block_pool import BlockPool
+from native_engine.kvcache.radix_cache import Node, RadixCache, chain_hashes, lru_victims
 
 B = 4
 

@@ -8,9 +8,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native_engine.block_pool import BlockPool
 from native_engine.config import EngineConfig
-from native_engine.radix_cache import RadixCache
+from native_engine.kvcache.block_pool import BlockPool
+from native_engine.kvcache.radix_cache import RadixCache
 from native_engine.request import Request, RequestStatus, SamplingParams
 from native_engine.scheduler import Scheduler, SchedulerOutput
 

@@ -18,9 +18,10 @@ import pytest
 from adapters.vllm.kv_decode import fold_hash
 from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig, SyncState
 from adapters.vllm.metrics import serving_metrics, snapshot_from_text
-from native_engine.kv_events import KVEventsConfig
-from native_engine.server import RunningServer, ServerConfig, start_server
+from native_engine.serve.kv_config import KVEventsConfig
+from native_engine.serve.server import RunningServer, ServerConfig, start_server
 from schemas.kv_events import BlockRemoved
+from tests.native_engine.kv_views import resident_block_hashes
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +163,7 @@ async def compare(kv: KVEventSubscriber, server: RunningServer) -> None:
     """The shadow index equals the engine's own view, per namespace, once caught up."""
     last = server.publisher.next_seq - 1  # type: ignore[attr-defined]
     assert await kv.wait_for_seq(last, timeout_s=10)
-    view = await server.engine.call(lambda e: e.resident_block_hashes())
+    view = await server.engine.call(resident_block_hashes)
     index = kv.index()
     index.check_integrity()
     assert kv.state() is SyncState.SYNCED

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from adapters.vllm.metrics import serving_metrics, snapshot_from_text
 from native_engine.engine import EngineStats
-from native_engine.openai_api import (
+from native_engine.serve.metrics import CacheInfo, ServerMetrics
+from native_engine.serve.openai_api import (
     ChatBody,
     CompletionBody,
     check_model,
@@ -22,8 +23,7 @@ from native_engine.openai_api import (
     sampling_params,
     validate_body,
 )
-from native_engine.server import ServerConfig, build_parser, config_from_args
-from native_engine.server_metrics import CacheInfo, ServerMetrics
+from native_engine.serve.server import ServerConfig, build_parser, config_from_args
 from schemas.engine import EngineError
 
 from ..conftest import VECTORS

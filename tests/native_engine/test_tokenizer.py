@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native_engine.chat_template import ChatTemplate, ChatTemplateError
-from native_engine.tokenizer import TextTokenizer, build_bpe_tokenizer, byte_tokenizer
-from native_engine.weights import CHATML_TEMPLATE, load_model
+from native_engine.model.chat_template import ChatTemplate, ChatTemplateError
+from native_engine.model.tokenizer import TextTokenizer, build_bpe_tokenizer
+from native_engine.model.weights import load_model
+from tests.native_engine.tiny_model import CHATML_TEMPLATE, byte_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BYTES = TextTokenizer(byte_tokenizer(SPECIALS), "<|im_start|>", "<|im_end|>")

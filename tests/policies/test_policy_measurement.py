@@ -19,20 +19,20 @@ from policies.measurement import (
     classify_arm,
     gate_comparison,
 )
+from schemas.bench import WarmState
 
-TUNED = ArmWarmState(
-    arm="native",
+TUNED = ArmWarmState("native", WarmState(
     warmup_done=True,
     compile_cache=CompileCacheState.WARM,
     request_time_compilation=False,
     prefix_cache_at_start=PrefixCacheStart.FLUSHED,
     first_request_latency_s=0.12,
     steady_state_latency_s=0.10,
-)
+))
 
 
-def arm(**changes: object) -> ArmWarmState:
-    return dataclasses.replace(TUNED, **changes)
+def arm(name: str = "native", **changes: object) -> ArmWarmState:
+    return ArmWarmState(name, dataclasses.replace(TUNED.state, **changes))
 
 
 def test_fully_observed_warm_arm_is_tuned() -> None:
@@ -77,14 +77,13 @@ def test_not_observed_differs_from_observed_false() -> None:
 
 
 def test_cold_beats_unobserved_and_reasons_keep_precedence_order() -> None:
-    state = ArmWarmState(
-        arm="x",
+    state = ArmWarmState("x", WarmState(
         request_time_compilation=True,
         compile_cache=CompileCacheState.DISABLED,
         warmup_done=False,
         first_request_latency_s=5.0,
         steady_state_latency_s=1.0,
-    )
+    ))
     verdict = classify_arm(state)
     assert verdict.classification is ArmClass.COLD_START
     assert [r.split("_")[0] for r in verdict.reasons] == [
@@ -140,12 +139,12 @@ def test_bad_latency_is_refused(latency: float) -> None:
 
 
 def test_two_tuned_arms_are_comparable() -> None:
-    gate = gate_comparison([TUNED, arm(arm="vllm")])
+    gate = gate_comparison([TUNED, arm("vllm")])
     assert gate.claim_allowed and gate.verdict == VERDICT_COMPARABLE and gate.reasons == ()
 
 
 def test_one_cold_arm_poisons_the_comparison() -> None:
-    gate = gate_comparison([TUNED, arm(arm="vllm", request_time_compilation=True)])
+    gate = gate_comparison([TUNED, arm("vllm", request_time_compilation=True)])
     assert not gate.claim_allowed
     assert gate.verdict == VERDICT_NOT_COMPARABLE
     assert gate.reasons == ("arm 'vllm' is cold_start: request_time_compilation_observed",)
@@ -153,12 +152,12 @@ def test_one_cold_arm_poisons_the_comparison() -> None:
 
 
 def test_one_unobserved_arm_poisons_the_comparison() -> None:
-    gate = gate_comparison([TUNED, arm(arm="vllm", compile_cache=None)])
+    gate = gate_comparison([TUNED, arm("vllm", compile_cache=None)])
     assert not gate.claim_allowed and "diagnostic" in gate.reasons[0]
 
 
 def test_different_prefix_cache_starts_are_not_comparable() -> None:
-    other = arm(arm="vllm", prefix_cache_at_start=PrefixCacheStart.WARM_DISJOINT)
+    other = arm("vllm", prefix_cache_at_start=PrefixCacheStart.WARM_DISJOINT)
     gate = gate_comparison([TUNED, other])
     assert not gate.claim_allowed
     assert gate.reasons[0].startswith("prefix cache state at start differs")
@@ -174,9 +173,8 @@ def test_gate_input_errors() -> None:
 
 
 optional_bool = st.none() | st.booleans()
-states = st.builds(
-    ArmWarmState,
-    arm=st.sampled_from(["a", "b", "c"]),
+states = st.builds(ArmWarmState, arm=st.sampled_from(["a", "b", "c"]), state=st.builds(
+    WarmState,
     warmup_done=optional_bool,
     compile_cache=st.none() | st.sampled_from(CompileCacheState),
     request_time_compilation=optional_bool,
@@ -184,7 +182,7 @@ states = st.builds(
     first_request_latency_s=st.none() | st.floats(0.001, 10.0),
     steady_state_latency_s=st.none() | st.floats(0.001, 10.0),
     declared=st.none() | st.sampled_from(ArmClass),
-)
+))
 
 
 @settings(max_examples=200, deadline=None)
@@ -193,11 +191,11 @@ def test_gate_allows_claim_only_when_every_arm_is_tuned(a: ArmWarmState, b: ArmW
     b = dataclasses.replace(b, arm=a.arm + "2")
     gate = gate_comparison([a, b])
     all_tuned = all(v.classification is ArmClass.TUNED for v in gate.arms)
-    same_start = a.prefix_cache_at_start == b.prefix_cache_at_start
+    same_start = a.state.prefix_cache_at_start == b.state.prefix_cache_at_start
     assert gate.claim_allowed is (all_tuned and same_start)
     assert (gate.verdict == VERDICT_COMPARABLE) is gate.claim_allowed
     for state, verdict in zip((a, b), gate.arms, strict=True):
-        if state.request_time_compilation or state.warmup_done is False:
+        if state.state.request_time_compilation or state.state.warmup_done is False:
             assert verdict.classification is ArmClass.COLD_START
         if verdict.classification is ArmClass.TUNED:
-            assert not state.unobserved() and state.declared in (None, ArmClass.TUNED)
+            assert not state.unobserved() and state.state.declared in (None, ArmClass.TUNED)

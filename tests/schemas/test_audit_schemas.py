@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from governor.audit_log import AuditLog, AuditLogConfig
+from governor.audit.log import AuditLog, AuditLogConfig
 from schemas.audit import (
     AuditEvent,
     AuditRecord,

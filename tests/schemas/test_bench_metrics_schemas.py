@@ -141,17 +141,17 @@ def test_bench_enums_and_warm_state_match_the_measurement_policy() -> None:
                          (CompileCacheState, measurement.CompileCacheState),
                          (PrefixCacheStart, measurement.PrefixCacheStart)):
         assert [m.value for m in mine] == [m.value for m in theirs]
-    policy_fields = {f.name for f in dataclasses.fields(measurement.ArmWarmState)} - {"arm"}
-    assert {f.name for f in dataclasses.fields(WarmState)} == policy_fields
+    assert measurement.WarmState is WarmState  # the policy gates the artifact's own record
     assert (VERDICT_COMPARABLE, VERDICT_NOT_COMPARABLE) == (
         measurement.VERDICT_COMPARABLE, measurement.VERDICT_NOT_COMPARABLE)
 
 
 def test_gate_output_fits_the_artifact() -> None:
     """The policy's verdict, carried into the artifact, always satisfies the schema."""
-    good = measurement.ArmWarmState("a", True, measurement.CompileCacheState.WARM, False,
-                                    measurement.PrefixCacheStart.FLUSHED, 0.06, 0.05)
-    cold = dataclasses.replace(good, arm="b", first_request_latency_s=1.0)
+    warm = WarmState(True, measurement.CompileCacheState.WARM, False,
+                     measurement.PrefixCacheStart.FLUSHED, 0.06, 0.05)
+    good = measurement.ArmWarmState("a", warm)
+    cold = measurement.ArmWarmState("b", dataclasses.replace(warm, first_request_latency_s=1.0))
     for arms in ((good, dataclasses.replace(good, arm="b")), (good, cold)):
         gate = measurement.gate_comparison(arms)
         built = (arm("a", ArmClass(gate.arms[0].classification.value)),

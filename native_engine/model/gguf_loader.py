@@ -14,10 +14,14 @@ import gguf
 import numpy as np
 import torch
 
-from native_engine.chat_template import ChatTemplate
-from native_engine.llama import LlamaConfig, check_weights
-from native_engine.tokenizer import END_OF_GENERATION_TEXTS, TextTokenizer, build_bpe_tokenizer
-from native_engine.weights import LoadedModel
+from native_engine.model.chat_template import ChatTemplate
+from native_engine.model.llama import LlamaConfig, check_weights
+from native_engine.model.loaded import LoadedModel
+from native_engine.model.tokenizer import (
+    END_OF_GENERATION_TEXTS,
+    TextTokenizer,
+    build_bpe_tokenizer,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 

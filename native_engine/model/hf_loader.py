@@ -10,10 +10,10 @@ from typing import Any
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from native_engine.chat_template import ChatTemplate
-from native_engine.llama import LlamaConfig, check_weights
-from native_engine.tokenizer import TextTokenizer
-from native_engine.weights import LoadedModel
+from native_engine.model.chat_template import ChatTemplate
+from native_engine.model.llama import LlamaConfig, check_weights
+from native_engine.model.loaded import LoadedModel
+from native_engine.model.tokenizer import TextTokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,4 +1,4 @@
-"""RadixCache: token-level prefix tree over paged KV (design §5, §6).
+"""RadixCache: token-level prefix tree over paged KV (docs/design.md §5, §6).
 
 Each namespace (a cache salt, or None) has its own root, so tenants never share a node. A node
 holds a run of tokens and, per token, the KV slot it lives in; a token at depth p always sits at
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from native_engine.block_pool import BlockPool
+from native_engine.kvcache.block_pool import BlockPool
 from policies.eviction import EvictionCandidate, choose_victims
 
 

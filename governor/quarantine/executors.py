@@ -1,4 +1,5 @@
-"""Executing and observing a quarantine on an engine (design §5, security.md §7, SEC-10/11).
+"""Executing and observing a quarantine on an engine (docs/design.md §5, docs/security.md §7,
+SEC-10/11).
 
 Each executor performs one plan and gathers the three independent facts SEC-11 asks for —
 the engine's own result, removal evidence after a recorded point, and a canary probe — as a

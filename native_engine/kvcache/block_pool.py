@@ -1,4 +1,4 @@
-"""BlockPool: fixed-size KV blocks with refcounts and a free list (design §6).
+"""BlockPool: fixed-size KV blocks with refcounts and a free list (docs/design.md §6).
 
 Token `pos` of a request lives in slot `block_table[pos // B] * B + pos % B`.
 

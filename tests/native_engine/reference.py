@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from native_engine.llama import LlamaConfig, check_weights
+from native_engine.model.llama import LlamaConfig, check_weights
 
 
 class ReferenceModel:

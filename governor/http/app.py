@@ -1,4 +1,4 @@
-"""The governor's HTTP front: OpenAI routes, health, metrics and admin (design §5)."""
+"""The governor's HTTP front: OpenAI routes, health, metrics and admin (docs/design.md §5)."""
 
 from __future__ import annotations
 
@@ -13,33 +13,14 @@ from typing import Any
 from aiohttp import web
 
 from governor.admission import AdmissionRejected
+from governor.http.common import GOVERNOR_KEY, _err, admin_only, error_response, read_json
+from governor.http.validation import validate_body
+from governor.quarantine.routes import add_quarantine_routes
 from governor.state import Governor
-from governor.validation import bad_request, validate_body
 from schemas.engine import EngineError, EngineRequest, StreamChunk, Usage
 from schemas.validate import document
 
-GOVERNOR_KEY = web.AppKey("governor", Governor)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-def error_response(err: EngineError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(err.to_json(), status=err.status, headers=headers)
-
-
-def _err(status: int, message: str, type_: str, param: str | None = None) -> web.Response:
-    return error_response(EngineError(status, message, type=type_, param=param))
-
-
-async def read_json(request: web.Request, limit: int) -> Any:
-    if request.content_length is not None and request.content_length > limit:
-        raise EngineError(413, f"request body above {limit} bytes", type="invalid_request_error")
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise EngineError(413, f"request body above {limit} bytes", type="invalid_request_error")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", None) from None
 
 
 def _sse(data: dict[str, Any]) -> bytes:
@@ -222,17 +203,6 @@ async def handle_metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def admin_only(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-               ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        gov = request.app[GOVERNOR_KEY]
-        if not gov.auth.is_admin(request.headers.get("Authorization")):
-            return _err(401, "Invalid or missing admin token.", "authentication_error")
-        return await handler(request)
-
-    return guarded
-
-
 async def handle_capabilities(request: web.Request) -> web.Response:
     caps = request.app[GOVERNOR_KEY].driver.capabilities
     return web.json_response(json.loads(json.dumps(asdict(caps), default=str)))
@@ -278,8 +248,5 @@ def build_app(gov: Governor) -> web.Application:
     app.router.add_get("/admin/v1/capabilities", admin_only(handle_capabilities))
     app.router.add_get("/admin/v1/tenants", admin_only(handle_tenants))
     app.router.add_post("/admin/v1/tenants/{tenant_id}/rotate", admin_only(handle_rotate))
-    # Local import: the quarantine routes import this module for admin_only and GOVERNOR_KEY.
-    from governor.quarantine_routes import add_quarantine_routes
-
     add_quarantine_routes(app)
     return app

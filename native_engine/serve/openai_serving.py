@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from native_engine.async_engine import AsyncLLMEngine, EngineDeadError
-from native_engine.chat_template import ChatTemplate, ChatTemplateError
 from native_engine.engine import RequestOutput
-from native_engine.openai_api import (
+from native_engine.model.chat_template import ChatTemplate, ChatTemplateError
+from native_engine.model.tokenizer import TextTokenizer
+from native_engine.request import SamplingParams
+from native_engine.serve.openai_api import (
     ChatBody,
     Completion,
     CompletionBody,
@@ -32,8 +34,6 @@ from native_engine.openai_api import (
     usage_chunk,
     validate_body,
 )
-from native_engine.request import SamplingParams
-from native_engine.tokenizer import TextTokenizer
 from schemas.engine import EngineError
 
 LogprobEntry = tuple[str, float, list[tuple[str, float]]]

@@ -66,15 +66,6 @@ def build_bpe_tokenizer(
     return tok
 
 
-def byte_tokenizer(special_tokens: Sequence[str]) -> Tokenizer:
-    """A tiny real tokenizer: the special tokens, then the 256 byte symbols, no merges."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_symbols = sorted(alphabet, key=lambda s: (len(s), s))
-    tokens = [*special_tokens, *byte_symbols]
-    types = [TOKEN_TYPE_CONTROL] * len(special_tokens) + [1] * len(byte_symbols)
-    return build_bpe_tokenizer(tokens, types, [], "gpt2")
-
-
 class TextTokenizer:
     """Encode/decode plus the ids that matter to generation (BOS, EOS, stop tokens)."""
 

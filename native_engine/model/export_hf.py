@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from native_engine.weights import DTYPES, LoadedModel, dtype_name, load_model
+from native_engine.model.loaded import DTYPES, LoadedModel, dtype_name
+from native_engine.model.weights import load_model
 
 
 def hf_config(model: LoadedModel, dtype: torch.dtype) -> dict[str, Any]:

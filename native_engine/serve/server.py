@@ -2,14 +2,14 @@
 
 1. OpenAI HTTP (aiohttp): `POST /v1/completions`, `POST /v1/chat/completions` (SSE with
    `stream`), `GET /v1/models`, `/health`, `/version`; answers shaped as vLLM's
-   (native_engine.openai_api), errors as `{"error": {message, type, param, code}}`.
+   (native_engine.serve.openai_api), errors as `{"error": {message, type, param, code}}`.
 2. KV-cache events: ZeroMQ PUB (+ ROUTER replay) as `--kv-events-config` says, one batch per
    engine step that changed the prefix cache (native_engine.kv_events).
-3. `GET /metrics` with vLLM's names (native_engine.server_metrics).
+3. `GET /metrics` with vLLM's names (native_engine.serve.metrics).
 
 `--dev-mode` (or VLLM_SERVER_DEV_MODE=1, as vLLM) mounts `POST /reset_prefix_cache` and
 `GET /kv_event_sources`. Flags mirror vLLM's where they overlap. Run it as
-`python -m native_engine.server [flags]`.
+`python -m native_engine.serve.server [flags]`.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import Any
 from aiohttp import web
 
 from native_engine.async_engine import AsyncLLMEngine
-from native_engine.block_hash import hash_to_wire
 from native_engine.config import EngineConfig, SchedulingPolicy
 from native_engine.engine import LLMEngine
-from native_engine.kv_events import EventPublisher, KVEventRecorder, KVEventsConfig, make_publisher
-from native_engine.openai_api import Route, parse_json
-from native_engine.openai_serving import OpenAIServing, ServingConfig
-from native_engine.radix_cache import Node, chain_hashes
-from native_engine.server_metrics import CacheInfo, ServerMetrics
+from native_engine.kvcache.events import EventPublisher, KVEventRecorder
+from native_engine.serve.kv_config import KVEventsConfig
+from native_engine.serve.kv_publisher import make_publisher
+from native_engine.serve.metrics import CacheInfo, ServerMetrics
+from native_engine.serve.openai_api import Route, parse_json
+from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
 from schemas.engine import EngineError
 
 log = logging.getLogger("fak.engine.serve")
@@ -100,45 +100,6 @@ class ServerConfig:
             scheduling_policy=self.scheduling_policy, max_model_len=self.max_model_len,
             model=self.model, dtype=self.dtype, attention_backend=self.attention_backend,
             device=device)
-
-
-class PublishingEngine(LLMEngine):
-    """LLMEngine with a KV-event recorder as its cache listener (the engine flushes it once
-    per step and after abort, span eviction and reset), and the engine's own view of what is
-    resident, to compare with what a subscriber rebuilt."""
-
-    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any = None,
-                 listener: KVEventRecorder | None = None) -> None:
-        super().__init__(config, runner, tokenizer, listener)
-        self.recorder = listener
-
-    def resident_block_hashes(self, int_mode: bool = True) -> dict[str | None, set[int | bytes]]:
-        """The engine's own view: every full block in the radix cache, by namespace, as the
-        hash its KV events carry. Raises AssertionError if a block has no recorded digest."""
-        if self.cache is None or self.recorder is None:
-            return {}
-        out: dict[str | None, set[int | bytes]] = {}
-        for ns in self.cache.namespaces:
-            ids: set[int] = set()
-            for path in _leaf_paths(self.cache.nodes(ns)):
-                ids.update(chain_hashes(ns, path, self.cache.block_size))
-            digests = {cid: self.recorder.digest_of(cid) for cid in ids}
-            missing = [cid for cid, d in digests.items() if d is None]
-            assert not missing, f"{len(missing)} cached blocks were never published as stored"
-            out[ns] = {hash_to_wire(d, int_mode) for d in digests.values() if d is not None}
-        return out
-
-
-def _leaf_paths(nodes: list[Node]) -> list[list[int]]:
-    """Token paths from the namespace root to every leaf."""
-    paths: list[list[int]] = []
-    stack = [(n, list(n.tokens)) for n in nodes if n.parent is not None and n.parent.parent is None]
-    while stack:
-        node, path = stack.pop()
-        if not node.children:
-            paths.append(path)
-        stack.extend((c, path + c.tokens) for c in node.children.values())
-    return paths
 
 
 def error_response(exc: EngineError) -> web.Response:
@@ -281,8 +242,8 @@ class RunningServer:
     runner: web.AppRunner
 
     @property
-    def llm_engine(self) -> PublishingEngine:
-        return self.engine.engine  # type: ignore[return-value]
+    def llm_engine(self) -> LLMEngine:
+        return self.engine.engine
 
     async def close(self) -> None:
         await self.runner.cleanup()
@@ -295,7 +256,7 @@ async def build_server(config: ServerConfig) -> tuple[EngineServer, EventPublish
     publisher = make_publisher(config.kv_events)
     recorder = KVEventRecorder(publisher) if config.kv_events.active else None
     try:
-        llm = await asyncio.to_thread(PublishingEngine.from_config, config.engine_config(),
+        llm = await asyncio.to_thread(LLMEngine.from_config, config.engine_config(),
                                       recorder)
     except BaseException:
         publisher.close()
@@ -409,7 +370,8 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m native_engine.server") -> int:
+def main(argv: Sequence[str] | None = None,
+         prog: str = "python -m native_engine.serve.server") -> int:
     return cmd_engine_serve(build_parser(prog).parse_args(argv))
 
 

@@ -1,4 +1,4 @@
-"""Admin routes of the quarantine service, behind the admin token (design §5).
+"""Admin routes of the quarantine service, behind the admin token (docs/design.md §5).
 
 - `POST /admin/v1/quarantine` — body `{tenant, span: {text | messages | token_ids}, start?,
   reason, require_exact?}`; answers 200 with the record whatever its state (VERIFIED,
@@ -18,15 +18,15 @@ import logging
 
 from aiohttp import web
 
-from governor.app import GOVERNOR_KEY, admin_only, error_response, read_json
-from governor.quarantine import (
+from governor.http.common import GOVERNOR_KEY, admin_only, error_response, read_json
+from governor.quarantine.executors import QuarantineConfig
+from governor.quarantine.service import (
     QuarantineRecord,
     QuarantineRequest,
     QuarantineRequestError,
     QuarantineService,
     UnknownTenantError,
 )
-from governor.quarantine_engines import QuarantineConfig
 from schemas.engine import EngineError
 
 QUARANTINE_KEY = web.AppKey("quarantine", QuarantineService)

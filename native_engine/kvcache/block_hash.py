@@ -1,4 +1,4 @@
-"""Block hashes as vLLM's `sha256_cbor` computes them (vllm-surfaces.md §2.6, §2.7).
+"""Block hashes as vLLM's `sha256_cbor` computes them (docs/reference/vllm-surfaces.md §2.6, §2.7).
 
 `h_i = SHA-256(CBOR_canonical([h_{i-1}, tokens_i, extra_keys_i]))` with `h_{-1} = NONE_HASH`,
 the hash of a seed string. With the same seed (vLLM: PYTHONHASHSEED, or newer releases'

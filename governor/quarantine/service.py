@@ -1,8 +1,8 @@
-"""The operator's audited cache quarantine: plan → execute → verify → audit (design §5).
+"""The operator's audited cache quarantine: plan → execute → verify → audit (docs/design.md §5).
 
 `QuarantineService.quarantine` takes a `QuarantineRequest` (tenant, span as text, chat
 messages or token ids, `start`, an operator reason code, `require_exact`), plans it with
-`policies.quarantine`, runs the plan (`governor.quarantine_engines`), turns the observed facts
+`policies.quarantine`, runs the plan (`governor.quarantine.executors`), turns the observed facts
 into a state with `verdict`, appends one `quarantine` record to the audit log and keeps the
 record in memory for `get`. Refused plans are audited too.
 
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from governor.quarantine_engines import (
+from governor.quarantine.executors import (
     Facts,
     Probe,
     QuarantineConfig,
@@ -46,6 +46,7 @@ from policies.quarantine import PlanKind, QuarantinePlan, QuarantineSpan, plan_q
 from policies.salts import SaltKey, frame
 from schemas.audit import CODE, AuditEvent, AuditState, Evidence, SpanRef
 from schemas.engine import EngineError
+from schemas.values import is_int
 
 if TYPE_CHECKING:  # the native engine (torch) is imported only when it is the engine
     from adapters.native import NativeDriver
@@ -95,7 +96,7 @@ class SpanInput:
             raise QuarantineRequestError("span.messages must be a non-empty list of message "
                                          "objects", "span.messages")
         if self.token_ids is not None and (not self.token_ids or not all(
-                _is_int(t) and t >= 0 for t in self.token_ids)):
+                is_int(t) and t >= 0 for t in self.token_ids)):
             raise QuarantineRequestError("span.token_ids must be a non-empty list of ints >= 0",
                                          "span.token_ids")
 
@@ -127,7 +128,7 @@ class QuarantineRequest:
             raise QuarantineRequestError(
                 f"reason must be a code of at most {MAX_REASON_CHARS} characters matching "
                 f"{CODE.pattern} (no prose: the audit log keeps no free text)", "reason")
-        if not _is_int(self.start) or self.start < 0:
+        if not is_int(self.start) or self.start < 0:
             raise QuarantineRequestError("start must be an int >= 0 (a token offset)", "start")
         if not isinstance(self.require_exact, bool):
             raise QuarantineRequestError("require_exact must be a boolean", "require_exact")
@@ -163,9 +164,6 @@ class QuarantineRequest:
             require_exact=raw.get("require_exact", False),
         )
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --- span digests ---------------------------------------------------------------------------

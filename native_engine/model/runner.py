@@ -7,14 +7,14 @@ compute dtype. A slot is `block * block_size + offset`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from native_engine.kernels import BACKENDS, select_backend
-from native_engine.llama import AttentionMetadata, LlamaModel
-from native_engine.weights import DTYPES, LoadedModel, load_model
+from native_engine.model.llama import AttentionMetadata, LlamaModel
+from native_engine.model.loaded import DTYPES, LoadedModel
+from native_engine.model.weights import load_model
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -73,16 +73,6 @@ class RunnerConfig:
             raise ValueError("num_threads must be positive")
 
 
-@dataclass(frozen=True)
-class BatchChunk:
-    """New tokens of one request: `token_ids` at positions start, start+1, ...; its KV
-    blocks in `block_table` (enough to hold positions up to start + len - 1)."""
-
-    token_ids: Sequence[int]
-    start: int
-    block_table: Sequence[int]
-
-
 @dataclass
 class RunnerBatch:
     """One step's tokens for R requests, flattened to T tokens.
@@ -99,36 +89,6 @@ class RunnerBatch:
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
-
-    @classmethod
-    def build(cls, chunks: Sequence[BatchChunk], block_size: int) -> RunnerBatch:
-        """Assemble a batch from per-request chunks of new tokens."""
-        if not chunks:
-            raise ValueError("a batch needs at least one chunk")
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        for chunk in chunks:
-            end = chunk.start + len(chunk.token_ids)
-            if -(-end // block_size) > len(chunk.block_table):
-                raise ValueError("block_table too short for the chunk's positions")
-            ids.extend(chunk.token_ids)
-            for pos in range(chunk.start, end):
-                positions.append(pos)
-                slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
-            starts.append(len(ids))
-        width = max(len(c.block_table) for c in chunks)
-        tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
-        return cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            context_lens=torch.tensor([c.start + len(c.token_ids) for c in chunks],
-                                      dtype=torch.int32),
-        )
 
     def check(self, num_slots: int, max_positions: int) -> None:
         """Raise ValueError on shapes, dtypes or indices the kernels cannot take."""

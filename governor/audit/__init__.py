@@ -1,0 +1,1 @@
+"""The tamper-evident audit log: entries, verification, the writer, the CLI."""

@@ -1,0 +1,71 @@
+"""`fak audit verify` and `fak audit checkpoint` (wired by governor/cli.py)."""
+
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from governor.audit.entry import AuditLogBusy, AuditLogError, canonical_json, checkpoints_path
+from governor.audit.log import AuditLog, AuditLogConfig
+from governor.audit.verify import AuditLogCorrupt, read_checkpoints, verify
+from schemas.audit import SignedCheckpoint
+
+
+def load_anchor(path: Path | str) -> SignedCheckpoint:
+    try:
+        return SignedCheckpoint.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise AuditLogError(f"cannot read anchor {path}: {exc}") from exc
+
+
+def cmd_audit_verify(log: Path | str, anchor: Path | str | None = None) -> int:
+    """`fak audit verify LOG [--anchor CHECKPOINT]`. Exit 0 intact, 1 tampered, 2 unusable
+    input, 3 intact but with a torn tail (an interrupted append)."""
+    try:
+        if not Path(log).is_file():
+            raise AuditLogError(f"no audit log at {log}")
+        report = verify(log, None if anchor is None else load_anchor(anchor))
+    except AuditLogError as exc:
+        print(f"fak audit verify: {exc}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    if not report.ok:
+        return 1
+    return 3 if report.torn_tail_bytes else 0
+
+
+def cmd_audit_checkpoint(data_dir: Path | str) -> int:
+    """`fak audit checkpoint`: print a signed checkpoint covering the whole log, to keep as
+    an anchor. With the governor running (writer lock held) the latest stored one is
+    printed, and stderr says how many records it does not cover yet."""
+    config = AuditLogConfig(Path(data_dir))
+    if not config.log_path.is_file():
+        print(f"fak audit checkpoint: no audit log at {config.log_path}", file=sys.stderr)
+        return 2
+    try:
+        with AuditLog.open(config) as log:
+            print(log.export_checkpoint())
+        return 0
+    except AuditLogBusy:
+        return _print_stored_checkpoint(config.log_path)
+    except AuditLogCorrupt as exc:
+        print(exc.report.summary(), file=sys.stderr)
+        return 1
+    except (AuditLogError, OSError) as exc:
+        print(f"fak audit checkpoint: {exc}", file=sys.stderr)
+        return 2
+
+
+def _print_stored_checkpoint(log_path: Path) -> int:
+    report = verify(log_path)
+    checkpoints, _ = read_checkpoints(checkpoints_path(log_path))
+    if not report.ok or not checkpoints:
+        print(report.summary() if not report.ok else "no checkpoint yet", file=sys.stderr)
+        return 1
+    latest = checkpoints[-1]
+    print(canonical_json(asdict(latest)).decode())
+    if latest.tree_size < report.records:
+        print(f"note: {report.records - latest.tree_size} record(s) after this checkpoint; "
+              f"the running governor signs the next one", file=sys.stderr)
+    return 0

@@ -1,0 +1,1 @@
+"""The governor's HTTP front: OpenAI routes, health, metrics, admin."""

@@ -1,0 +1,1 @@
+"""The operator's audited cache quarantine: service, executors, admin routes."""
