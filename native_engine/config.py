@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+
+from policies.eviction import RestoreRates
 
 if TYPE_CHECKING:
     from native_engine.model.runner import RunnerConfig
@@ -21,6 +24,10 @@ class EngineConfig:
     room). `long_prefill_token_threshold` > 0 caps one request's chunk per step.
     `max_model_len` bounds prompt + max_tokens (None: the pool size; the engine also caps it
     at the model's position limit). `model` is a GGUF/HF path (None: the embedded model).
+
+    Lower KV tiers (native_engine.kvcache.tiers), vLLM's flag names: `kv_offloading_size` GiB
+    of host RAM, and a disk tier of `kv_disk_size` GiB under `kv_disk_dir`; both off when
+    unset. `kv_restore_rates` None measures the restore and prefill rates at start-up.
     """
 
     block_size: int = 16
@@ -37,6 +44,10 @@ class EngineConfig:
     dtype: str = "auto"
     attention_backend: str = "auto"
     device: str = "cpu"
+    kv_offloading_size: float | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_size: float | None = None
+    kv_restore_rates: RestoreRates | None = None
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs")
@@ -61,6 +72,29 @@ class EngineConfig:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must cover max_model_len"
             )
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        for name in ("kv_offloading_size", "kv_disk_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a number of GiB > 0, got {value!r}")
+        if (self.kv_disk_dir is None) != (self.kv_disk_size is None):
+            raise ValueError("kv_disk_dir and kv_disk_size go together")
+        if self.kv_disk_dir is not None and not (isinstance(self.kv_disk_dir, str)
+                                                 and self.kv_disk_dir):
+            raise ValueError("kv_disk_dir must be a non-empty path")
+        if self.tiered and not self.enable_prefix_caching:
+            raise ValueError("KV tiers need prefix caching")
+        if self.kv_restore_rates is not None and not isinstance(self.kv_restore_rates,
+                                                                RestoreRates):
+            raise ValueError("kv_restore_rates must be a policies.eviction.RestoreRates")
+
+    @property
+    def tiered(self) -> bool:
+        """Whether any KV tier below the device pool is configured."""
+        return self.kv_offloading_size is not None or self.kv_disk_dir is not None
 
     @property
     def pool_tokens(self) -> int:

@@ -21,16 +21,19 @@ import torch
 from native_engine.config import EngineConfig
 from native_engine.kvcache.block_pool import BlockPool
 from native_engine.kvcache.radix_cache import CacheEventListener, RadixCache
+from native_engine.kvcache.tiers import SpanRemoval, TierRemoval, TierStats
 from native_engine.request import Request, RequestStatus, SamplingParams
 from native_engine.sampler import Sample, sample
 from native_engine.scheduler import Scheduler, SchedulerOutput
+from native_engine.tiering import build_tiers
 
 if TYPE_CHECKING:
     from native_engine.model.loaded import LoadedModel
 
 
 class Runner(Protocol):
-    """The model side (native_engine.model.runner.ModelRunner)."""
+    """The model side (native_engine.model.runner.ModelRunner; the KV tiers also use its
+    read_kv / write_kv)."""
 
     def execute(self, batch: Any) -> torch.Tensor: ...
 
@@ -84,6 +87,7 @@ class EngineStats:
     num_waiting: int
     kv_usage: float
     num_steps: int
+    tiers: tuple[TierStats, ...] = ()
 
 
 class LLMEngine:
@@ -99,8 +103,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.listener = listener
-        self.cache = RadixCache(self.pool, listener) if config.enable_prefix_caching else None
-        self.scheduler = Scheduler(config, self.pool, self.cache)
+        self.tiers = build_tiers(config, runner, listener)
+        self.cache = (RadixCache(self.pool, listener, demoter=self.tiers)
+                      if config.enable_prefix_caching else None)
+        self.scheduler = Scheduler(config, self.pool, self.cache, self.tiers)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(tokenizer.stop_token_ids if tokenizer else ())
         model_config = getattr(runner, "model_config", None)
@@ -321,25 +327,47 @@ class LLMEngine:
     # -- cache control ------------------------------------------------------------------
 
     def evict_span(self, namespace: str | None, tokens: Sequence[int], start: int) -> int:
-        """Exact-span eviction (docs/design.md §5); unfinished requests on that path stop caching
-        past `start`, so the span cannot come back when they finish. Returns tokens evicted."""
+        """Exact-span eviction on every tier (`remove_span`); returns device tokens evicted."""
+        return self.remove_span(namespace, tokens, start).device_tokens
+
+    def remove_span(self, namespace: str | None, tokens: Sequence[int],
+                    start: int) -> SpanRemoval:
+        """Exact-span eviction (docs/design.md §5) from the device pool and every lower tier
+        (files included), with each tier's result; unfinished requests on that path stop
+        caching past `start`, so the span cannot come back when they finish."""
         if self.cache is None:
-            return 0
+            return SpanRemoval(0)
         evicted = self.cache.evict_span(namespace, tokens, start)
+        tiers = self.tiers.remove_span(namespace, tokens, start) if self.tiers else []
         self._flush_events()
         head = list(tokens[: start + 1])
         for req in self.requests.values():
             if req.namespace == namespace and req.token_ids[: start + 1] == head[: req.num_tokens]:
                 req.cache_limit = start if req.cache_limit is None else min(req.cache_limit, start)
-        return evicted
+        return SpanRemoval(evicted, tuple(tiers))
 
     def reset_prefix_cache(self) -> bool:
-        """Drop the whole prefix cache; False (nothing dropped) while requests run, as vLLM."""
-        if self.cache is None or self.scheduler.running:
-            return False
-        cleared = self.cache.reset()
+        """Drop the whole prefix cache, every tier included; False while requests run (nothing
+        dropped, as vLLM) or when a lower tier could not be emptied."""
+        report = self.flush_prefix_cache()
+        return report is not None and all(r.ok for r in report)
+
+    def flush_prefix_cache(self) -> tuple[TierRemoval, ...] | None:
+        """`reset_prefix_cache` with each lower tier's result; None when refused. One
+        AllBlocksCleared (every medium) is published."""
+        if self.cache is None or self.scheduler.running or not self.cache.reset():
+            return None
+        tiers = self.tiers.clear() if self.tiers else []
         self._flush_events()
-        return cleared
+        return tuple(tiers)
+
+    def retire_namespace(self, namespace: str | None) -> None:
+        """An old salt epoch: its blocks can never match again, so every tier ages them out
+        first and none moves them down."""
+        if self.cache is not None:
+            self.cache.age_out(namespace)
+        if self.tiers is not None:
+            self.tiers.retire(namespace)
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
@@ -353,10 +381,13 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             kv_usage=self.pool.usage,
             num_steps=self._steps,
+            tiers=self.tiers.stats() if self.tiers else (),
         )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         assert all(not r.is_finished for r in self.requests.values())
 
 

@@ -128,6 +128,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     cache_node: Any = None  # the radix node this request holds a lock on (None = no lock)
     cache_limit: int | None = None  # tokens past this are never inserted (quarantined span)
+    block_digests: list[bytes] = field(default_factory=list)  # chain digests, memo for tiers
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     output_text: str = ""

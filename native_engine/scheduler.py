@@ -13,7 +13,8 @@ slot or blocks.
 Admission reuses the longest cached prefix: a block wholly covered by one cached block is
 shared (refcount), any partially covered block gets a fresh block whose matched tokens are
 copied (`SchedulerOutput.copy_src/copy_dst`, to run before the forward), so every matched
-token counts as cached.
+token counts as cached. With lower KV tiers, the blocks that continue the device-resident
+prefix are promoted into the pool first (native_engine.kvcache.tiers), so they count too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from native_engine.config import EngineConfig
 from native_engine.kvcache.block_pool import BlockPool
 from native_engine.kvcache.radix_cache import MatchResult, RadixCache
+from native_engine.kvcache.tiers import TieredKV
 from native_engine.request import Request, RequestStatus
 
 
@@ -110,10 +112,12 @@ class PriorityQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, cache: RadixCache | None) -> None:
+    def __init__(self, config: EngineConfig, pool: BlockPool, cache: RadixCache | None,
+                 tiers: TieredKV | None = None) -> None:
         self.config = config
         self.pool = pool
         self.cache = cache if config.enable_prefix_caching else None
+        self.tiers = tiers if self.cache is not None else None
         self.waiting: FcfsQueue | PriorityQueue = (
             PriorityQueue() if config.scheduling_policy == "priority" else FcfsQueue()
         )
@@ -210,6 +214,8 @@ class Scheduler:
         """Match the prefix, lock it, allocate; returns the chunk size or 0 (state undone)."""
         copies: tuple[list[int], list[int]] = ([], [])
         if self.cache is not None:
+            if self.tiers is not None:
+                self.tiers.promote(self.cache, req)
             match = self.cache.match(req.namespace, req.token_ids)
             self.cache.lock(match.node)  # before allocating: eviction must not take the hit
             req.cache_node = match.node

@@ -4,6 +4,10 @@
 BlockStored / BlockRemoved / AllBlocksCleared records with chained sha256_cbor digests
 (native_engine.kvcache.block_hash) and hands what piled up to an `EventPublisher` as one
 batch per `flush()`. The ZeroMQ publisher lives in native_engine.serve.kv_publisher.
+
+It is also the lower KV tiers' sink (native_engine.kvcache.tiers.TierEventSink): their blocks
+are published as BlockStored / BlockRemoved with medium "CPU" (host RAM) or "DISK", in the
+order they happen, in the same step batch as the device pool's events.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from native_engine.kvcache.block_hash import (
     DIGEST_SIZE,
@@ -133,6 +137,30 @@ class KVEventRecorder:
                 # vLLM sends one removed hash per event.
                 self._pending.append(BlockRemoved((digest,), self.medium, 0))
 
+    def on_tier_stored(self, medium: str, digests: list[bytes], parent: bytes | None,
+                       token_ids: list[int], block_size: int,
+                       extra_keys: list[tuple[Any, ...] | None] | None) -> None:
+        """A lower tier gained a chain of blocks (their digests are already computed)."""
+        event = BlockStored(
+            block_hashes=tuple(digests),
+            parent_block_hash=parent,
+            token_ids=tuple(token_ids),
+            block_size=block_size,
+            medium=medium,
+            extra_keys=None if extra_keys is None else tuple(extra_keys),
+            group_idx=0,
+            kv_cache_spec_kind=FULL_ATTENTION,
+        )
+        check_stored(event)
+        with self._lock:
+            self._pending.append(event)
+
+    def on_tier_removed(self, medium: str, digests: list[bytes]) -> None:
+        """A lower tier lost blocks: one event with all of them, as vLLM's offloading does."""
+        if digests:
+            with self._lock:
+                self._pending.append(BlockRemoved(tuple(digests), medium, 0))
+
     def on_cleared(self) -> None:
         with self._lock:
             self._digests.clear()
@@ -161,4 +189,5 @@ class KVEventRecorder:
         for event in pending:
             if isinstance(event, BlockStored):
                 check_stored(event)
-                assert event.extra_keys is not None
+                # Only a lower tier's block found at start-up travels without its salt.
+                assert event.extra_keys is not None or event.medium != self.medium

@@ -13,7 +13,9 @@ their depth; the per-block token counts match the slots; the leaf set is exact; 
 lock_ref equals the number of lock holders at or below it.
 
 Eviction takes unlocked leaves, chosen by `choose_victims` (by default policies.eviction's
-value-aware order, which is LRU on uniform inputs). `evict_span` cuts the tree at a position
+value-aware order, which is LRU on uniform inputs); with a `demoter` (the lower KV tiers,
+native_engine.kvcache.tiers) each victim's full blocks are handed down before their pool
+references go. `evict_span` and `reset` never demote. `evict_span` cuts the tree at a position
 regardless of locks: running requests keep their own block references, the cache just stops
 offering the span.
 """
@@ -108,6 +110,16 @@ class CacheEventListener(Protocol):
         ...
 
 
+class Demoter(Protocol):
+    """Keeps what eviction would drop (native_engine.kvcache.tiers.TieredKV)."""
+
+    def demote(self, namespace: str | None, tokens: Sequence[int], first_block: int,
+               slots: Sequence[int]) -> None:
+        """Full blocks [first_block, len(tokens) // B) of the path `tokens` leave the pool;
+        `slots` holds their KV, one slot per token of those blocks."""
+        ...
+
+
 VictimChooser = Callable[[Sequence[Node], int], Sequence[Node]]
 """(evictable leaves, tokens wanted) -> leaves to drop, in order."""
 
@@ -168,11 +180,13 @@ class RadixCache:
         pool: BlockPool,
         listener: CacheEventListener | None = None,
         choose_victims: VictimChooser = value_victims,
+        demoter: Demoter | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.listener = listener
         self.choose_victims = choose_victims
+        self.demoter = demoter
         self._roots: dict[str | None, Node] = {}
         self._leaves: set[Node] = set()
         self._block_tokens: dict[int, int] = {}  # block -> tree slots in it
@@ -181,14 +195,17 @@ class RadixCache:
 
     # -- lookup -------------------------------------------------------------------------
 
-    def match(self, namespace: str | None, tokens: Sequence[int]) -> MatchResult:
+    def match(self, namespace: str | None, tokens: Sequence[int],
+              touch: bool = True) -> MatchResult:
         """Longest cached prefix of `tokens`, never all of it (at most len - 1 tokens), so the
-        last token is always computed. Splits a node so the match ends on a node boundary."""
+        last token is always computed. Splits a node so the match ends on a node boundary.
+        `touch` False looks without counting a use (no hit, no recency)."""
         root = self._roots.get(namespace)
         limit = len(tokens) - 1
         if root is None or limit <= 0:
             return MatchResult(0, [], root)
-        self._tick += 1
+        if touch:
+            self._tick += 1
         node, i, slots = root, 0, []
         while i < limit:
             child = node.children.get(tokens[i])
@@ -197,8 +214,9 @@ class RadixCache:
             k = _common_prefix(child.tokens, tokens[i:limit])
             if k < len(child.tokens):
                 child = self.split(child, k)
-            child.last_access = self._tick
-            child.hit_count += 1
+            if touch:
+                child.last_access = self._tick
+                child.hit_count += 1
             slots.extend(child.slots)
             node, i = child, i + k
         return MatchResult(i, slots, node)
@@ -283,6 +301,8 @@ class RadixCache:
                 break
             needed = num_blocks - (self.pool.num_free - start_free)
             for victim in self.choose_victims(candidates, needed * self.block_size):
+                if self.demoter is not None:
+                    self._demote(victim)
                 self._remove_leaf(victim)
                 if self.pool.num_free - start_free >= num_blocks:
                     break
@@ -311,6 +331,11 @@ class RadixCache:
         victim = node.children.get(tokens[start])
         return 0 if victim is None else self._remove_subtree(victim)
 
+    def age_out(self, namespace: str | None) -> None:
+        """Make `namespace`'s nodes the first eviction victims (no hits, oldest use)."""
+        for node in self.nodes(namespace):
+            node.hit_count, node.last_access = 0, 0
+
     def reset(self) -> bool:
         """Drop every cached node; refused (False, nothing dropped) while any node is locked."""
         tops = [child for root in self._roots.values() for child in root.children.values()]
@@ -327,6 +352,16 @@ class RadixCache:
         if listener is not None:
             listener.on_cleared()
         return True
+
+    def _demote(self, node: Node) -> None:
+        blocks = self._full_blocks_ending_in(node)
+        if not blocks:
+            return
+        tokens, slots = self._path(node)
+        bs = self.block_size
+        assert self.demoter is not None
+        self.demoter.demote(node.namespace, tokens[: blocks.stop * bs], blocks.start,
+                            slots[blocks.start * bs : blocks.stop * bs])
 
     def _remove_subtree(self, top: Node) -> int:
         removed = 0
@@ -383,11 +418,16 @@ class RadixCache:
     # -- events -------------------------------------------------------------------------
 
     def _path_tokens(self, node: Node) -> list[int]:
+        return self._path(node)[0]
+
+    def _path(self, node: Node) -> tuple[list[int], list[int]]:
+        """Tokens and slots from the root to the end of `node`."""
         parts = []
         while node is not None and node.parent is not None:
-            parts.append(node.tokens)
+            parts.append(node)
             node = node.parent
-        return [t for part in reversed(parts) for t in part]
+        order = parts[::-1]
+        return [t for n in order for t in n.tokens], [s for n in order for s in n.slots]
 
     def _full_blocks_ending_in(self, node: Node) -> range:
         bs = self.block_size

@@ -1,7 +1,8 @@
 """ModelRunner: the model, its paged KV caches, and one `execute` per scheduler step.
 
 KV caches are per layer `(k_cache, v_cache)`, each [num_blocks, block_size, Hkv, D] in the
-compute dtype. A slot is `block * block_size + offset`.
+compute dtype. A slot is `block * block_size + offset`. Everything outside the model reaches
+the KV through `slot_views` (copy, read and write by slot), so a layout change is one edit.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from native_engine.kernels import BACKENDS, select_backend
 from native_engine.model.llama import AttentionMetadata, LlamaModel
-from native_engine.model.loaded import DTYPES, LoadedModel
+from native_engine.model.loaded import DTYPES, LoadedModel, weights_digest
 from native_engine.model.weights import load_model
 
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -128,6 +129,7 @@ class ModelRunner:
         self.dtype = auto_dtype(self.device) if config.dtype == "auto" else DTYPES[config.dtype]
         loaded = loaded or load_model(config.model_path, self.dtype)
         self.model_config = loaded.config
+        self.model_digest = loaded.digest or weights_digest(loaded.weights)
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.stop_token_ids = loaded.tokenizer.stop_token_ids
@@ -188,22 +190,48 @@ class ModelRunner:
         last_rows = batch.query_start_loc[1:].to(dev, torch.int64) - 1
         return self.model.compute_logits(hidden[last_rows])
 
+    def slot_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (K, V) viewed as [num_slots, Hkv, D]: the one accessor by slot."""
+        return [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self.kv_caches]
+
     @torch.inference_mode()
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV of slots `src` into slots `dst` in every layer."""
         if src.shape != dst.shape or src.dim() != 1:
             raise ValueError("src and dst must be 1-D and of equal length")
         src, dst = src.to(self.device, torch.int64), dst.to(self.device, torch.int64)
-        for k_cache, v_cache in self.kv_caches:
-            for cache in (k_cache, v_cache):
-                flat = cache.view(-1, *cache.shape[2:])
+        for pair in self.slot_views():
+            for flat in pair:
                 flat[dst] = flat[src]
 
     @torch.inference_mode()
     def read_slots(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, copies of (K, V) at `slots`, each [len(slots), Hkv, D]."""
         index = slots.to(self.device, torch.int64)
-        return [
-            (k.view(-1, *k.shape[2:])[index].clone(), v.view(-1, *v.shape[2:])[index].clone())
-            for k, v in self.kv_caches
-        ]
+        return [(k[index].clone(), v[index].clone()) for k, v in self.slot_views()]
+
+    @torch.inference_mode()
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KV at `slots` as one host tensor [layers, 2, len(slots), Hkv, D]."""
+        index = slots.to(self.device, torch.int64)
+        views = self.slot_views()
+        out = torch.empty((len(views), 2, index.shape[0], *views[0][0].shape[1:]),
+                          dtype=self.dtype, device=self.device)
+        for layer, (k, v) in enumerate(views):
+            torch.index_select(k, 0, index, out=out[layer, 0])
+            torch.index_select(v, 0, index, out=out[layer, 1])
+        return out.to("cpu")
+
+    @torch.inference_mode()
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write `kv` ([layers, 2, len(slots), Hkv, D], as read_kv returns) into `slots`."""
+        views = self.slot_views()
+        if kv.dim() != 5 or kv.shape[0] != len(views) or kv.shape[1] != 2 \
+                or kv.shape[2] != slots.shape[0]:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} does not fit {slots.shape[0]} "
+                             f"slots of {len(views)} layers")
+        index = slots.to(self.device, torch.int64)
+        kv = kv.to(self.device, self.dtype, non_blocking=True)
+        for layer, (k, v) in enumerate(views):
+            k.index_copy_(0, index, kv[layer, 0])
+            v.index_copy_(0, index, kv[layer, 1])

@@ -75,12 +75,14 @@ def load_gguf_cached(path: Path, dtype: torch.dtype) -> LoadedModel:
     if weights_file.is_file() and meta_file.is_file() and tok_file.is_file():
         cached = _read_cache(weights_file, meta_file, tok_file, str(path))
         if cached is not None:
+            cached.digest = "sha256:" + digest
             return cached
     from native_engine.model.gguf_loader import load_gguf
 
     model = load_gguf(path)
     model.weights = {k: v.to(dtype).contiguous() for k, v in model.weights.items()}
     _write_cache(model, weights_file, meta_file, tok_file)
+    model.digest = "sha256:" + digest
     return model
 
 
