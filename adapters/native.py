@@ -40,6 +40,9 @@ class NativeDriverConfig:
             max_model_len=section.max_model_len,
             scheduling_policy="priority",
             model=section.model,
+            kv_offloading_size=section.kv_offloading_size,
+            kv_disk_dir=section.kv_disk_dir,
+            kv_disk_size=section.kv_disk_size,
         )
         return cls(engine=engine)
 
@@ -84,6 +87,13 @@ class NativeDriver:
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()
+            if self.engine.engine.tiers is not None:  # finish the disk tier's writes
+                await asyncio.to_thread(self.engine.engine.tiers.close)
+
+    async def retire_namespace(self, namespace: str) -> None:
+        """A rotated-out salt: the engine ages its blocks out first (every KV tier)."""
+        if self.engine is not None and self.engine.is_alive:
+            await self.engine.call(lambda e: e.retire_namespace(namespace))
 
     def _serving(self) -> OpenAIServing:
         if self.serving is None or self.engine is None or not self.engine.is_alive:

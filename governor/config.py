@@ -39,6 +39,9 @@ class EngineSection:
     metrics_url: str | None = None
     max_model_len: int = 2048
     num_blocks: int | None = None
+    kv_offloading_size: float | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_size: float | None = None
     declare: CapabilityDeclaration = field(default_factory=CapabilityDeclaration)
 
 

@@ -104,6 +104,16 @@ class Governor:
                                       tenant=tenant_id, plan="salt_rotation",
                                       evidence=Evidence(old_epoch=old, new_epoch=new)))
 
+    async def rotate_and_age_out(self, tenant_id: str, actor: str) -> AuditRecord:
+        """`rotate`, then have an engine that can (the native one) age the old epoch's blocks
+        out of every KV tier first, rather than keep them beside live ones."""
+        old_salt = self.salt_for(tenant_id)
+        record = self.rotate(tenant_id, actor)
+        retire = getattr(self.driver, "retire_namespace", None)
+        if retire is not None:
+            await retire(old_salt)
+        return record
+
     def tenant_views(self) -> list[dict[str, Any]]:
         return [
             {"id": t.id, "class": t.tenant_class, "epoch": self.epochs.get(t.id),

@@ -124,14 +124,18 @@ def _disk_restore_seconds(runner: Any, layout: KVLayout, disk_dir: Path, ids: li
                           blocks: list[torch.Tensor], slots: torch.Tensor) -> float:
     scratch = disk_dir / f".calibration-{os.getpid()}"
     bs = layout.block_size
+    disk = None
     try:
-        disk = DiskTier(scratch, layout, (len(blocks) + 1) * (layout.block_bytes + 8192))
+        disk = DiskTier(scratch, layout, (len(blocks) + 1) * (layout.block_bytes + 8192),
+                        max_pending=len(blocks))
         digests = prompt_digests(None, ids, bs)
         entries = [TierEntry(d, digests[k - 1] if k else None, tuple(ids[k * bs:(k + 1) * bs]),
                              None, True, layout.block_bytes) for k, d in enumerate(digests)]
         for entry, kv in zip(entries, blocks, strict=True):
-            if not disk.write(entry, kv):
-                raise OSError(f"cannot write KV files under {disk_dir}")
+            disk.write(entry, kv)
+        disk.drain()
+        if disk.reap() or disk.num_pending:
+            raise OSError(f"cannot write KV files under {disk_dir}")
 
         def restore() -> None:
             for entry in entries:  # cold: out of the page cache, as after a restart
@@ -143,6 +147,8 @@ def _disk_restore_seconds(runner: Any, layout: KVLayout, disk_dir: Path, ids: li
 
         return _median_seconds(restore)
     finally:
+        if disk is not None:
+            disk.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 

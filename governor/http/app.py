@@ -217,7 +217,8 @@ async def handle_rotate(request: web.Request) -> web.Response:
     tenant_id = request.match_info["tenant_id"]
     if gov.config.tenant(tenant_id) is None:
         return _err(404, f"unknown tenant {tenant_id!r}", "not_found_error", "tenant_id")
-    return web.json_response(document(gov.rotate(tenant_id, actor="admin-api")))
+    return web.json_response(document(await gov.rotate_and_age_out(tenant_id,
+                                                                   actor="admin-api")))
 
 
 @web.middleware

@@ -5,10 +5,13 @@ Each executor performs one plan and gathers the three independent facts SEC-11 a
 the engine's own result, removal evidence after a recorded point, and a canary probe — as a
 `Facts` record; `governor.quarantine.verdict` turns facts into a state. Executors never decide.
 
-- `exact_native`: `evict_span` on the native engine. The removal evidence is the radix tree
-  itself, read on the engine thread in the same call as the eviction (no step runs between
-  the snapshots): every other namespace keeps its exact slot set, the tenant loses exactly the
-  evicted slots, tokens before `start` stay, and the path is reusable to at most `start`.
+- `exact_native`: `remove_span` on the native engine (its device pool and every lower KV
+  tier). The removal evidence is the radix tree itself, read on the engine thread in the same
+  call as the eviction (no step runs between the snapshots): every other namespace keeps its
+  exact slot set, the tenant loses exactly the evicted slots, tokens before `start` stay, and
+  the path is reusable to at most `start`; and per lower tier (medium "CPU", "DISK"): nothing
+  of the span is left (files included), and only the removed blocks changed. A tier that could
+  not be cleared contradicts the removal (FAILED).
 - `whole_prefix_flush`: `POST /reset_prefix_cache` on a vLLM declared dev-mode, retried while
   it answers `{"success": false}` (requests running) until a bounded drain deadline; evidence
   is an `AllBlocksCleared` after a KV-event watermark with no lost batch in between.
@@ -158,17 +161,39 @@ async def _probe_or_none(driver: Any, tenant: str, salt: str, probe: Probe, time
 
 
 @dataclass(frozen=True, slots=True)
+class TierCut:
+    """One lower KV tier around the same eviction: blocks removed, blocks of the span still
+    there, errors, and whether the tier changed by exactly the removed blocks."""
+
+    medium: str
+    removed: int
+    remaining: int
+    errors: tuple[str, ...]
+    only_removed_changed: bool
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.errors or self.remaining:
+            found.append(f"tier_{self.medium.lower()}_not_cleared")
+        if not self.only_removed_changed:
+            found.append(f"tier_{self.medium.lower()}_other_blocks_changed")
+        return found
+
+
+@dataclass(frozen=True, slots=True)
 class CutReport:
-    """One eviction and the radix tree around it, observed in a single engine-thread call."""
+    """One eviction and the radix tree (and lower tiers) around it, observed in a single
+    engine-thread call."""
 
     evicted: int
     others_unchanged: bool
     removed_only_evicted: bool
     prefix_kept: bool
     reusable_after: int
+    tiers: tuple[TierCut, ...] = ()
 
     def problems(self, start: int) -> list[str]:
-        found = []
+        found = [p for tier in self.tiers for p in tier.problems()]
         if not self.others_unchanged:
             found.append("radix_other_namespace_changed")
         if not self.removed_only_evicted:
@@ -198,8 +223,11 @@ def cut_span(engine: LLMEngine, namespace: str, tokens: Sequence[int], start: in
     """Runs on the engine thread: snapshot, `evict_span`, snapshot, read the path back."""
     prefix_before = _reusable(engine, namespace, tokens[:start]) if start else 0
     before = _resident(engine)
-    evicted = engine.evict_span(namespace, tokens, start)
+    tiers_before = engine.tiers.resident() if engine.tiers is not None else {}
+    removal = engine.remove_span(namespace, tokens, start)
+    evicted = removal.device_tokens
     after = _resident(engine)
+    tiers_after = engine.tiers.resident() if engine.tiers is not None else {}
     empty: frozenset[int] = frozenset()
     others = {ns for ns in before.keys() | after.keys() if ns != namespace}
     mine_before, mine_after = before.get(namespace, empty), after.get(namespace, empty)
@@ -211,6 +239,11 @@ def cut_span(engine: LLMEngine, namespace: str, tokens: Sequence[int], start: in
         prefix_kept=(_reusable(engine, namespace, tokens[:start]) if start else 0)
         == prefix_before,
         reusable_after=_reusable(engine, namespace, tokens),
+        tiers=tuple(
+            TierCut(r.medium, len(r.removed), r.remaining, r.errors,
+                    tiers_after[r.medium] <= tiers_before[r.medium]
+                    and tiers_before[r.medium] - tiers_after[r.medium] == r.removed)
+            for r in removal.tiers),
     )
 
 
@@ -232,8 +265,12 @@ async def exact_native(driver: NativeDriver, tenant: str, salt: str, tokens: Seq
     facts.codes.append(f"probe_recompute_evicted_tokens={cleanup.evicted}")
     problems = cut.problems(start) + cleanup.problems(start)
     facts.removal_ok = not problems
-    facts.removal = "radix_checked_ok" if not problems else "radix_checked_mismatch"
+    checked = "radix_and_tiers_checked" if cut.tiers else "radix_checked"
+    facts.removal = f"{checked}_ok" if not problems else f"{checked}_mismatch"
     facts.codes += problems or ["radix_other_namespaces_unchanged", "radix_span_cut_at_start"]
+    facts.codes += [f"tier_{t.medium.lower()}_removed_blocks={t.removed}" for t in cut.tiers]
+    if cut.tiers and not problems:
+        facts.codes += [f"tier_{t.medium.lower()}_cleared_others_unchanged" for t in cut.tiers]
     return facts
 
 
@@ -348,7 +385,7 @@ async def rotate_salt(gov: Any, tenant: str, actor: str, probe: Probe,
                   removal_ok=None, threshold=0)
     old_salt = gov.salt_for(tenant)
     await _control_if_readable(gov.driver, tenant, old_salt, probe, config, facts)
-    rotated = gov.rotate(tenant, actor=actor).event.evidence
+    rotated = (await gov.rotate_and_age_out(tenant, actor=actor)).event.evidence
     facts.old_epoch, facts.new_epoch = rotated.old_epoch, rotated.new_epoch
     new_salt = gov.salt_for(tenant)
     facts.engine_result, facts.engine_ok = "epoch_bumped", new_salt != old_salt

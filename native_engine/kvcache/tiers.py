@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from native_engine.kvcache.block_hash import NONE_HASH, chain_digests, namespace_extra_keys
-from native_engine.kvcache.disk_tier import DiskTier, KVLayout
+from native_engine.kvcache.disk_tier import HEADER_ALLOWANCE, DiskTier, KVLayout
 from native_engine.kvcache.host_tier import HostTier
 from native_engine.kvcache.tier_entry import (
     MEDIUM_CPU,
@@ -67,7 +67,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MEDIA = (MEDIUM_CPU, MEDIUM_DISK)
-DISK_HEADER_ALLOWANCE = 4096  # a file's safetensors header, on top of the KV bytes
 RETIRED_LAST_USE = -(1 << 62)
 
 
@@ -141,6 +140,7 @@ class TierStats:
     bytes_read: int
     restore_bytes_per_s: float | None
     restore_pays: bool
+    prefill_tokens_per_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +237,7 @@ class TieredKV:
         target = self._demotion_target()
         if target is None or namespace in self._retired:
             return
+        self._reap()
         bs = self.block_size
         stop = len(tokens) // bs
         digests = self.chain(namespace, tokens, stop)
@@ -254,6 +255,23 @@ class TieredKV:
             self._to_host(entries, list(kv))
         else:
             self._to_disk(entries, list(kv))
+
+    def _reap(self) -> None:
+        """Forget disk blocks whose background write failed."""
+        if self.disk is not None:
+            self._announce_removed(MEDIUM_DISK, self.disk.reap())
+
+    def drain(self) -> None:
+        """Wait until every block queued for the disk is written."""
+        if self.disk is not None:
+            self.disk.drain()
+            self._reap()
+
+    def close(self) -> None:
+        """Finish the disk writes and stop the writer (engine shutdown)."""
+        if self.disk is not None:
+            self.disk.close()
+            self._reap()
 
     def _demotion_target(self) -> str | None:
         if self.host is not None and self.pays[MEDIUM_CPU]:
@@ -311,13 +329,13 @@ class TieredKV:
     def _to_disk(self, entries: list[TierEntry], kvs: list[torch.Tensor]) -> None:
         disk = self.disk
         assert disk is not None
-        per_file = self.layout.block_bytes + DISK_HEADER_ALLOWANCE
+        per_file = self.layout.block_bytes + HEADER_ALLOWANCE
         self._make_disk_room(len(entries) * per_file, {e.digest for e in entries})
         stored = _Stored(MEDIUM_DISK)
         for entry, kv in zip(entries, kvs, strict=True):
             if disk.nbytes + per_file > disk.capacity_bytes:
                 break
-            if disk.write(entry, kv):
+            if disk.write(entry, kv):  # queued; the writer thread makes it durable
                 self._count_demotion(MEDIUM_DISK, entry.nbytes)
                 stored.entries.append(entry)
         self._announce(stored)
@@ -364,6 +382,7 @@ class TieredKV:
         pool and the radix cache; returns the tokens that became device-resident."""
         if self.empty:
             return 0
+        self._reap()
         bs, tokens = self.block_size, req.token_ids
         limit = (len(tokens) - 1) // bs  # the last prompt token is always computed
         if req.cache_limit is not None:
@@ -431,7 +450,8 @@ class TieredKV:
             kv = disk.read(digest, parent, block)
             if kv is not None:
                 return _Restore(MEDIUM_DISK, entry, kv)
-            self._announce_removed(MEDIUM_DISK, [digest])
+            if digest not in disk:  # rejected and deleted
+                self._announce_removed(MEDIUM_DISK, [digest])
         return None
 
     def _allocate(self, cache: RadixCache, n: int) -> list[int]:
@@ -448,6 +468,7 @@ class TieredKV:
         """Remove from every tier the block holding position `start` of the path `tokens` in
         `namespace`, and every block derived from it. Blocks are whole, so the tokens of that
         block before `start` go too (the device tree keeps them)."""
+        self._reap()
         doomed = self._derived(namespace, tokens, start)
         results = []
         for tier in self._tiers():
@@ -528,7 +549,8 @@ class TieredKV:
             out.append(TierStats(
                 tier.medium, len(tier), tier.nbytes, capacity, c.hits, c.promotions,
                 c.demotions, failures, c.bytes_written, c.bytes_read,
-                self.rates.restore_bytes_per_s.get(tier.medium), self.pays[tier.medium]))
+                self.rates.restore_bytes_per_s.get(tier.medium), self.pays[tier.medium],
+                self.rates.prefill_tokens_per_s))
         return tuple(out)
 
     # -- events ---------------------------------------------------------------------------

@@ -7,6 +7,11 @@ collide). Counters are declared without `_total`, as vLLM declares them; the exp
 Counters, so the exposition never runs ahead of or behind the engine. Latency histograms are
 observed per request by a `RequestTimer` (TTFT, time between output events, end to end),
 as vLLM's output processor does.
+
+The KV tiers below the device pool (native_engine.kvcache.tiers) add `fak_kv_tier_*` families
+labelled by `medium` ("CPU", "DISK"): resident blocks and bytes, capacity, hits, promotions,
+demotions, restore failures, bytes written and read, and the start-up measurements (restore
+bytes/s, whether restoring pays, prefill tokens/s).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from prometheus_client import (
 )
 
 from native_engine.engine import EngineStats
+from native_engine.kvcache.tiers import TierStats
 
 LABELS = ("engine", "model_name")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -33,6 +39,29 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+TIER_LABELS = (*LABELS, "medium")
+# fak name -> (TierStats field, help text)
+TIER_COUNTERS = {
+    "fak_kv_tier_hits": ("hits", "KV blocks found (and verified) in a lower tier."),
+    "fak_kv_tier_promotions": ("promotions", "KV blocks copied from a lower tier into the "
+                               "device pool."),
+    "fak_kv_tier_demotions": ("demotions", "KV blocks moved down into a lower tier."),
+    "fak_kv_tier_restore_failures": ("restore_failures", "Lower-tier KV blocks that failed "
+                                     "verification (deleted, served as a miss)."),
+    "fak_kv_tier_written_bytes": ("bytes_written", "KV bytes written into a lower tier."),
+    "fak_kv_tier_read_bytes": ("bytes_read", "KV bytes restored from a lower tier."),
+}
+TIER_GAUGES = {
+    "fak_kv_tier_resident_blocks": ("resident_blocks", "KV blocks held by a lower tier."),
+    "fak_kv_tier_resident_bytes": ("resident_bytes", "KV bytes held by a lower tier."),
+    "fak_kv_tier_capacity_bytes": ("capacity_bytes", "Size of a lower KV tier."),
+    "fak_kv_tier_restore_bytes_per_second": ("restore_bytes_per_s", "Restore rate measured "
+                                             "at start-up."),
+    "fak_kv_tier_restore_pays": ("restore_pays", "1 when restoring from the tier beats "
+                                 "recomputing (start-up measurement), else 0."),
+    "fak_kv_tier_prefill_tokens_per_second": ("prefill_tokens_per_s", "Prefill rate measured "
+                                              "at start-up (the recompute side)."),
+}
 # vLLM name -> (EngineStats field, help text); all count tokens except preemptions.
 STAT_COUNTERS = {
     "vllm:prefix_cache_queries": ("prefix_query_tokens",
@@ -120,6 +149,11 @@ class ServerMetrics:
                                    "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = self._histogram("vllm:e2e_request_latency_seconds",
                                    "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+        self._tier_counters = {name: Counter(name, text, TIER_LABELS, registry=reg)
+                               for name, (_, text) in TIER_COUNTERS.items()}
+        self._tier_gauges = {name: Gauge(name, text, TIER_LABELS, registry=reg)
+                             for name, (_, text) in TIER_GAUGES.items()}
+        self._tier_totals: dict[tuple[str, str], int] = {}
         info = cache.labels()
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               (*info, "engine"), registry=reg).labels(**info, engine=self.labels["engine"]).set(1)
@@ -147,6 +181,20 @@ class ServerMetrics:
             if value > self._totals[name]:
                 self._counters[name].inc(value - self._totals[name])
                 self._totals[name] = value
+        for tier in stats.tiers:
+            self._update_tier(tier)
+
+    def _update_tier(self, tier: TierStats) -> None:
+        labels = {**self.labels, "medium": tier.medium}
+        for name, (field, _) in TIER_GAUGES.items():
+            value = getattr(tier, field)
+            self._tier_gauges[name].labels(**labels).set(float(value or 0))
+        for name, (field, _) in TIER_COUNTERS.items():
+            value, key = getattr(tier, field), (name, tier.medium)
+            if value > self._tier_totals.get(key, 0):
+                self._tier_counters[name].labels(**labels).inc(
+                    value - self._tier_totals.get(key, 0))
+                self._tier_totals[key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -154,3 +202,7 @@ class ServerMetrics:
     def check_integrity(self, stats: EngineStats) -> None:
         for name, (field, _) in STAT_COUNTERS.items():
             assert self._totals[name] == getattr(stats, field), f"{name} drifted"
+        for tier in stats.tiers:
+            for name, (field, _) in TIER_COUNTERS.items():
+                assert self._tier_totals.get((name, tier.medium), 0) == getattr(tier, field), \
+                    f"{name}{{medium={tier.medium}}} drifted"

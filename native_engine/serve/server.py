@@ -5,7 +5,11 @@
    (native_engine.serve.openai_api), errors as `{"error": {message, type, param, code}}`.
 2. KV-cache events: ZeroMQ PUB (+ ROUTER replay) as `--kv-events-config` says, one batch per
    engine step that changed the prefix cache (native_engine.kv_events).
-3. `GET /metrics` with vLLM's names (native_engine.serve.metrics).
+3. `GET /metrics` with vLLM's names (native_engine.serve.metrics), plus the KV tiers'.
+
+`--kv-offloading-size GiB` (host RAM), `--kv-disk-dir DIR` and `--kv-disk-size GiB` add KV
+tiers below the device pool (native_engine.kvcache.tiers); their restore rates are measured
+at start-up and logged.
 
 `--dev-mode` (or VLLM_SERVER_DEV_MODE=1, as vLLM) mounts `POST /reset_prefix_cache` and
 `GET /kv_event_sources`. Flags mirror vLLM's where they overlap. Run it as
@@ -69,6 +73,9 @@ class ServerConfig:
     device: str = "auto"
     dev_mode: bool = False
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kv_offloading_size: float | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_size: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -99,7 +106,8 @@ class ServerConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             scheduling_policy=self.scheduling_policy, max_model_len=self.max_model_len,
             model=self.model, dtype=self.dtype, attention_backend=self.attention_backend,
-            device=device)
+            device=device, kv_offloading_size=self.kv_offloading_size,
+            kv_disk_dir=self.kv_disk_dir, kv_disk_size=self.kv_disk_size)
 
 
 def error_response(exc: EngineError) -> web.Response:
@@ -248,6 +256,8 @@ class RunningServer:
     async def close(self) -> None:
         await self.runner.cleanup()
         await self.engine.close()
+        if self.llm_engine.tiers is not None:
+            await asyncio.to_thread(self.llm_engine.tiers.close)
         self.publisher.close()
 
 
@@ -331,6 +341,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dev-mode", action="store_true",
                    help="mount POST /reset_prefix_cache (also VLLM_SERVER_DEV_MODE=1)")
+    p.add_argument("--kv-offloading-size", type=float, metavar="GiB",
+                   help="host-RAM KV tier below the device pool, in GiB (vLLM's flag)")
+    p.add_argument("--kv-disk-dir", metavar="DIR", help="disk KV tier directory (survives "
+                   "restarts; keep it private: whoever writes it can plant KV)")
+    p.add_argument("--kv-disk-size", type=float, metavar="GiB",
+                   help="disk KV tier size in GiB (with --kv-disk-dir)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -345,7 +361,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         attention_backend=args.attention_backend, dtype=args.dtype, device=args.device,
         dev_mode=args.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
-        kv_events=kv_events)
+        kv_events=kv_events, kv_offloading_size=args.kv_offloading_size,
+        kv_disk_dir=args.kv_disk_dir, kv_disk_size=args.kv_disk_size)
 
 
 def cmd_engine_serve(args: argparse.Namespace) -> int:

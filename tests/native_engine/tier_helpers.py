@@ -51,6 +51,8 @@ def evict_device(engine: LLMEngine) -> int:
     freed = engine.cache.evict(engine.pool.num_blocks)
     engine.step()  # publish the events of the eviction (nothing is scheduled)
     assert not engine.cache.held_blocks()
+    if engine.tiers is not None:
+        engine.tiers.drain()  # the disk tier's files are written
     return freed
 
 
