@@ -94,8 +94,7 @@ class KVLayout:
 
 
 def payload_digest(kv: torch.Tensor) -> str:
-    return hashlib.sha256(memoryview(kv.contiguous().view(-1).view(torch.uint8).numpy())
-                          ).hexdigest()
+    return hashlib.sha256(kv.contiguous().view(-1).view(torch.uint8).numpy().data).hexdigest()
 
 
 class DiskTier:

@@ -33,7 +33,7 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     for name in sorted(weights):
         t = weights[name].detach().to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        h.update(t.view(-1).view(torch.uint8).numpy().data)
     return "weights-sha256:" + h.hexdigest()
 
 

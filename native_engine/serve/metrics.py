@@ -191,9 +191,9 @@ class ServerMetrics:
             self._tier_gauges[name].labels(**labels).set(float(value or 0))
         for name, (field, _) in TIER_COUNTERS.items():
             value, key = getattr(tier, field), (name, tier.medium)
+            child = self._tier_counters[name].labels(**labels)  # exported from 0 on
             if value > self._tier_totals.get(key, 0):
-                self._tier_counters[name].labels(**labels).inc(
-                    value - self._tier_totals.get(key, 0))
+                child.inc(value - self._tier_totals.get(key, 0))
                 self._tier_totals[key] = value
 
     def render(self) -> bytes:

@@ -64,6 +64,9 @@ def test_issue_example_loads(tmp_path: Path) -> None:
         ({"tenants": [{"id": "a", "api_key_sha256": [DIGEST]},
                       {"id": "b", "api_key_sha256": [DIGEST]}]}, "twice"),
         ({"extra": {}}, "extra"),
+        ({"engine": {"kv_offloading_size": 0}}, "kv_offloading_size"),
+        ({"engine": {"kv_disk_dir": "/var/kv"}}, "kv_disk_size"),
+        ({"engine": {"kv_disk_size": 4}}, "kv_disk_dir"),
     ],
 )
 def test_bad_configs_name_the_key(raw: dict, needle: str) -> None:
@@ -76,3 +79,14 @@ def test_unparseable_file(tmp_path: Path) -> None:
     path.write_text("[server\nport=")
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(path)
+
+
+def test_engine_kv_tier_keys_reach_the_native_engine() -> None:
+    from adapters.native import NativeDriverConfig
+
+    config = parse_config({"engine": {"kind": "native", "kv_offloading_size": 1.5,
+                                      "kv_disk_dir": "/var/lib/fak/kv", "kv_disk_size": 20}})
+    engine = NativeDriverConfig.from_section(config.engine).engine
+    assert (engine.kv_offloading_size, engine.kv_disk_dir, engine.kv_disk_size) == \
+        (1.5, "/var/lib/fak/kv", 20)
+    assert engine.tiered

@@ -7,13 +7,18 @@ a restart with the same model and is never read by another; quarantine clears ev
 from __future__ import annotations
 
 import random
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from native_engine.engine import LLMEngine
 from native_engine.model.loaded import LoadedModel
 from native_engine.request import SamplingParams
+from policies.eviction import RestoreRates
 from tests.native_engine.reference import ReferenceModel
 from tests.native_engine.tier_helpers import (
     block_bytes_of,
@@ -202,3 +207,131 @@ def test_quarantine_clears_a_span_resident_in_all_three_tiers(
     assert engine.cache.match("victim", p).length == 0
     assert run(engine, p, with_params("victim")).cached_tokens == 0
     engine.check_integrity()
+
+
+def test_a_tier_slower_than_recompute_is_never_used(loaded: LoadedModel, tmp_path: Path,
+                                                     reference: ReferenceModel) -> None:
+    """The cost model: with measured rates under which restoring loses, blocks are dropped
+    and recomputed (no demotion, no restore), and the output is unchanged."""
+    bb = block_bytes_of(loaded, BS)
+    slow = RestoreRates(1e9, {"CPU": 1e3, "DISK": 1e3})  # restores far slower than prefill
+    engine = build(loaded, **vars_of(tier_config(bb, host_blocks=8, disk_dir=tmp_path / "kv",
+                                                 block_size=BS, num_blocks=64,
+                                                 kv_restore_rates=slow)))
+    p = prompt(9)
+    run(engine, p, GREEDY)
+    evict_device(engine)
+    out = run(engine, p, GREEDY)
+    assert out.cached_tokens == 0 and list(out.token_ids) == reference.greedy_generate(p, 8, ())
+    for medium in ("CPU", "DISK"):
+        stats = tier(engine, medium)
+        assert not stats.restore_pays and stats.demotions == stats.resident_blocks == 0
+
+
+def test_host_victims_move_to_disk_only_when_disk_pays(loaded: LoadedModel,
+                                                       tmp_path: Path) -> None:
+    bb = block_bytes_of(loaded, BS)
+    rates = RestoreRates(1.0, {"CPU": 1e15, "DISK": 1e-3})
+    engine = build(loaded, **vars_of(tier_config(bb, host_blocks=3, disk_dir=tmp_path / "kv",
+                                                 block_size=BS, num_blocks=64,
+                                                 kv_restore_rates=rates)))
+    run(engine, prompt(10), GREEDY)
+    evict_device(engine)
+    assert tier(engine, "CPU").resident_blocks == 3
+    assert tier(engine, "DISK").resident_blocks == 0
+
+
+def test_flush_empties_every_tier_and_deletes_the_files(loaded: LoadedModel,
+                                                        tmp_path: Path) -> None:
+    bb = block_bytes_of(loaded, BS)
+    engine = build(loaded, **vars_of(tier_config(bb, host_blocks=3, disk_dir=tmp_path / "kv",
+                                                 block_size=BS, num_blocks=64)))
+    p = prompt(11)
+    run(engine, p, with_params("t"))
+    evict_device(engine)
+    assert disk_files(engine) and tier(engine, "CPU").resident_blocks == 3
+    report = engine.flush_prefix_cache()
+    assert report is not None and all(r.ok for r in report)
+    assert {r.medium for r in report} == {"CPU", "DISK"}
+    assert not disk_files(engine) and tier(engine, "CPU").resident_blocks == 0
+    assert run(engine, p, with_params("t")).cached_tokens == 0
+
+
+PROMPTS = [prompt(20, 14), prompt(20, 14)[:9] + prompt(21, 10), prompt(22, 17),
+           prompt(20, 14) + prompt(23, 6)]
+
+
+@pytest.fixture(scope="module")
+def wanted(reference: ReferenceModel) -> list[list[int]]:
+    return [reference.greedy_generate(p, 6, ()) for p in PROMPTS]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["run", "run", "evict", "remove", "flush"]),
+                              st.integers(0, len(PROMPTS) - 1), st.sampled_from("abc"),
+                              st.integers(0, 13)), min_size=1, max_size=14))
+def test_random_traffic_keeps_invariants_and_outputs(
+        loaded: LoadedModel, wanted: list[list[int]], ops: list[tuple[str, int, str, int]]
+) -> None:
+    """Any mix of requests (3 namespaces, shared stems), evictions, span removals and flushes
+    over a small pool with tiny tiers: integrity holds, outputs equal the reference, and a
+    removed span is in no tier afterwards."""
+    bb = block_bytes_of(loaded, BS)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = build(loaded, **vars_of(tier_config(
+            bb, host_blocks=4, disk_dir=Path(tmp), disk_blocks=12, block_size=BS,
+            num_blocks=16, max_num_batched_tokens=16)))
+        tiers = engine.tiers
+        assert tiers is not None
+        for op, i, ns, start in ops:
+            p = PROMPTS[i]
+            if op == "run":
+                out = run(engine, p, replace(params, namespace=ns))
+                assert list(out.token_ids) == wanted[i]
+            elif op == "evict":
+                evict_device(engine)
+            elif op == "remove":
+                removal = engine.remove_span(ns, p, min(start, len(p) - 1))
+                assert removal.ok
+                k = min(start, len(p) - 1) // BS
+                doomed = set(tiers.chain(ns, p, len(p) // BS)[k:])
+                assert not doomed & set().union(*tiers.resident().values())
+            else:
+                assert engine.flush_prefix_cache() is not None
+            engine.check_integrity()
+        tiers.close()
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"kv_offloading_size": 0}, "kv_offloading_size"),
+    ({"kv_offloading_size": float("nan")}, "kv_offloading_size"),
+    ({"kv_disk_dir": "/tmp/kv"}, "go together"),
+    ({"kv_disk_size": 1.0}, "go together"),
+    ({"kv_disk_dir": "", "kv_disk_size": 1.0}, "non-empty"),
+    ({"kv_offloading_size": 1.0, "enable_prefix_caching": False}, "prefix caching"),
+    ({"kv_offloading_size": 1.0, "kv_restore_rates": {"CPU": 1}}, "RestoreRates"),
+])
+def test_tier_settings_are_validated_once(kw: dict, needle: str) -> None:
+    from native_engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(**kw)
+
+
+def test_disk_index_is_rebuilt_from_valid_files_only(loaded: LoadedModel, tmp_path: Path) -> None:
+    engine = engine_for(loaded, "DISK", tmp_path)
+    p = prompt(12)
+    run(engine, p, GREEDY)
+    evict_device(engine)
+    assert engine.tiers is not None and engine.tiers.disk is not None
+    directory = engine.tiers.disk.directory
+    good = disk_files(engine)
+    (directory / ".tmp-crashed").write_bytes(b"half a file")
+    (directory / ("ab" * 32 + ".kv")).write_bytes(good[0].read_bytes())  # a name it isn't
+    (directory / ("cd" * 32 + ".kv")).write_bytes(b"garbage")
+    again = engine_for(loaded, "DISK", tmp_path)
+    assert again.tiers is not None and again.tiers.disk is not None
+    assert sorted(directory.iterdir()) == good
+    assert len(again.tiers.disk) == len(good) and again.tiers.disk.rejected == 2
+    assert run(again, p, GREEDY).cached_tokens == (len(p) - 1) // BS * BS

@@ -172,3 +172,46 @@ async def compare(kv: KVEventSubscriber, server: RunningServer) -> None:
     for ns, hashes in want.items():
         assert index.resident(ns) == hashes, ns
     assert not index.uncertain()
+
+
+async def test_kv_tiers_behind_the_served_surfaces(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--kv-offloading-size` / `--kv-disk-dir` / `--kv-disk-size`: an evicted prefix comes
+    back from a lower tier, /metrics counts it per medium, KV events name the media."""
+    block = 737_280  # SmolLM2-135M, fp32, 16 tokens
+    running = await started(num_blocks=24, max_model_len=256,
+                            kv_offloading_size=6 * block / (1 << 30),
+                            kv_disk_dir=str(tmp_path), kv_disk_size=0.05)
+    kv_config = running.config.kv_events
+    kv = KVEventSubscriber(KVSubscriberConfig(
+        endpoint=kv_config.endpoint, replay_endpoint=kv_config.replay_endpoint, topic="kv"))
+    await kv.start()
+    try:
+        assert await kv.wait_connected(10)
+        async with httpx.AsyncClient(base_url=running.base_url, timeout=300) as c:
+            async def cached(prompt: str, salt: str) -> int:
+                r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2,
+                                                          "temperature": 0, "cache_salt": salt})
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            kept = letters(70, 40)
+            assert await cached(kept, "t-a") == 0
+            for i in range(4):  # push it out of the 24-block pool
+                await cached(letters(120, 41 + i), "t-c")
+            assert await cached(kept, "t-a") >= 48
+            assert await cached(kept, "t-b") == 0
+            text = (await c.get("/metrics")).text
+        stats = {s.medium: s for s in (await running.engine.stats()).tiers}
+        assert stats["CPU"].promotions + stats["DISK"].promotions > 0
+        for medium, s in stats.items():
+            assert (f'fak_kv_tier_promotions_total{{engine="0",medium="{medium}",'
+                    f'model_name="smollm2"}} {float(s.promotions)}') in text
+        last = running.publisher.next_seq - 1  # type: ignore[attr-defined]
+        assert await kv.wait_for_seq(last, timeout_s=10)
+        index = kv.index()
+        media = {m for h in index.all_blocks() for m in index.get(h).media}  # type: ignore[union-attr]
+        assert {"GPU", "CPU"} <= media
+        index.check_integrity()
+    finally:
+        await kv.close()
+        await running.close()

@@ -195,3 +195,18 @@ def test_metrics_registries_are_private() -> None:
     a.update(stats())
     assert 'model_name="b"' not in a.render().decode()
     assert "vllm:prompt_tokens_total{" in b.render().decode()
+
+
+def test_kv_tier_flags_parse_and_bad_ones_are_refused_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from native_engine.serve.server import build_parser, cmd_engine_serve, config_from_args
+
+    args = build_parser().parse_args(["--kv-offloading-size", "2.5", "--kv-disk-dir", "/tmp/kv",
+                                      "--kv-disk-size", "8"])
+    config = config_from_args(args).engine_config()
+    assert (config.kv_offloading_size, config.kv_disk_dir, config.kv_disk_size) == \
+        (2.5, "/tmp/kv", 8.0)
+    for bad in (["--kv-disk-dir", "/tmp/kv"], ["--kv-offloading-size", "-1"]):
+        assert cmd_engine_serve(build_parser().parse_args(bad)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("fak engine serve: ") and "\n" not in err

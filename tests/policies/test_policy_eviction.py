@@ -8,8 +8,11 @@ from hypothesis import strategies as st
 
 from policies.eviction import (
     EvictionCandidate,
+    RestoreRates,
     choose_victims,
     eviction_value,
+    restore_cost_tokens,
+    restore_pays,
     reuse_probability,
 )
 
@@ -131,3 +134,42 @@ def test_victims_are_evictable_cheapest_and_minimal(
     worst_victim = max((eviction_value(v, total) for v in victims), default=None)
     if worst_victim is not None and kept:
         assert worst_victim <= min(eviction_value(c, total) for c in kept)
+
+
+# --- restore or recompute ---------------------------------------------------------------
+
+
+def test_restore_cost_is_the_transfer_time_in_prefill_tokens() -> None:
+    rates = RestoreRates(200.0, {"CPU": 1e9, "DISK": 1e8})
+    assert restore_cost_tokens(737_280, "CPU", rates) == pytest.approx(737_280 / 1e9 * 200)
+    assert restore_pays(16, 737_280, "CPU", rates) and restore_pays(16, 737_280, "DISK", rates)
+    assert restore_cost_tokens(1, "NVME", rates) == float("inf")
+    assert not restore_pays(16, 1, "NVME", rates)  # no measured rate: never restored
+
+
+def test_a_tier_slower_than_recompute_does_not_pay() -> None:
+    # A tiny model prefills 50k tokens/s; 16 tokens take 0.32 ms, a 1 MB read at 100 MB/s 10 ms.
+    rates = RestoreRates(50_000.0, {"DISK": 1e8})
+    assert not restore_pays(16, 1_000_000, "DISK", rates)
+    assert restore_pays(16, 10_000, "DISK", rates)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"prefill_tokens_per_s": 0.0}, {"prefill_tokens_per_s": float("nan")},
+    {"prefill_tokens_per_s": True}, {"restore_bytes_per_s": {"CPU": -1.0}},
+    {"restore_bytes_per_s": {"CPU": float("inf")}},
+])
+def test_bad_rates_are_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        RestoreRates(**{"prefill_tokens_per_s": 1.0, **kwargs})
+
+
+def test_restore_cost_lowers_the_value_of_keeping() -> None:
+    """Keeping a copy saves recompute minus restore: a slow restore saves little."""
+    slow = cand("slow", 0.0, restore_cost=12.0)
+    fast = cand("fast", 1.0, restore_cost=2.0)
+    assert eviction_value(slow, 0) < eviction_value(fast, 0)
+    assert choose_victims([fast, slow], 1).victims == ("slow",)
+    assert eviction_value(cand("free", 0.0, restore_cost=99.0), 0) == 0.0
+    with pytest.raises(ValueError):
+        cand("bad", 0.0, restore_cost=float("inf"))
