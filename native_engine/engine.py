@@ -21,7 +21,7 @@ import torch
 from native_engine.config import EngineConfig
 from native_engine.kvcache.block_pool import BlockPool
 from native_engine.kvcache.radix_cache import CacheEventListener, RadixCache
-from native_engine.kvcache.tiers import SpanRemoval, TierRemoval, TierStats
+from native_engine.kvcache.tier_types import SpanRemoval, TierRemoval, TierStats
 from native_engine.request import Request, RequestStatus, SamplingParams
 from native_engine.sampler import Sample, sample
 from native_engine.scheduler import Scheduler, SchedulerOutput

@@ -32,7 +32,8 @@ from native_engine.config import EngineConfig
 from native_engine.kvcache.block_hash import NONE_HASH, prompt_digests
 from native_engine.kvcache.disk_tier import DiskTier, KVLayout
 from native_engine.kvcache.tier_entry import MEDIUM_CPU, MEDIUM_DISK, TierEntry
-from native_engine.kvcache.tiers import TierConfig, TieredKV, TierEventSink
+from native_engine.kvcache.tier_types import TierConfig, TierEventSink
+from native_engine.kvcache.tiers import TieredKV
 from policies.eviction import RestoreRates
 
 log = logging.getLogger("fak.engine.tiers")
@@ -60,12 +61,15 @@ def build_tiers(config: EngineConfig, runner: Any, events: Any = None) -> Tiered
     if config.kv_offloading_size is not None and host_blocks < 1:
         raise ValueError(f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV "
                          f"block ({layout.block_bytes} bytes)")
-    rates = config.kv_restore_rates or calibrate(runner, layout, config, disk_dir)
-    tier_config = TierConfig(rates, host_blocks, disk_dir,
-                             int((config.kv_disk_size or 0) * GIB),
-                             pin_memory=runner.device.type == "cuda")
-    sink = events if isinstance(events, TierEventSink) else None
-    tiers = TieredKV(tier_config, layout, runner, sink, getattr(events, "root", NONE_HASH))
+    try:
+        rates = config.kv_restore_rates or calibrate(runner, layout, config, disk_dir)
+        tier_config = TierConfig(rates, host_blocks, disk_dir,
+                                 int((config.kv_disk_size or 0) * GIB),
+                                 pin_memory=runner.device.type == "cuda")
+        sink = events if isinstance(events, TierEventSink) else None
+        tiers = TieredKV(tier_config, layout, runner, sink, getattr(events, "root", NONE_HASH))
+    except OSError as exc:
+        raise ValueError(f"kv_disk_dir {disk_dir} is not usable: {exc}") from exc
     log.info("KV tiers: %s; prefill %.0f tokens/s%s", describe(tiers), rates.prefill_tokens_per_s,
              "" if config.kv_restore_rates else " (measured)")
     return tiers

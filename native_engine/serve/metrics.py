@@ -29,7 +29,7 @@ from prometheus_client import (
 )
 
 from native_engine.engine import EngineStats
-from native_engine.kvcache.tiers import TierStats
+from native_engine.kvcache.tier_types import TierStats
 
 LABELS = ("engine", "model_name")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

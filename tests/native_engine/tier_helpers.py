@@ -7,7 +7,7 @@ from pathlib import Path
 
 from native_engine.config import EngineConfig
 from native_engine.engine import CompletedRequest, LLMEngine
-from native_engine.kvcache.tiers import TierStats
+from native_engine.kvcache.tier_types import TierStats
 from native_engine.model.loaded import LoadedModel
 from native_engine.request import SamplingParams
 from policies.eviction import RestoreRates
