@@ -12,9 +12,12 @@ Printed: the calibration figures, TTFT p50 per request class (first turn; return
 from the device pool / the host tier / the disk tier — classified by where the "on" arm's
 blocks came from), the ratio off/on, the cached-token ratio of returning requests, the tiers'
 counters, the load average and the CPU flags. Greedy outputs of both arms must agree
-token for token (checked). Run it alone:
+token for token (checked). `--dev-setup` instead runs the dev setup's engine (2048 blocks,
+no pressure: one chat of growing turns) with and without a 1 GiB host tier, to decide the
+dev-setup default: TTFT p50 per arm and the start-up time each took. Run it alone:
 
     flock /tmp/fak-bench.lock .venv/bin/python bench/kv_tiers.py [--conversations 8]
+    flock /tmp/fak-bench.lock .venv/bin/python bench/kv_tiers.py --dev-setup
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,14 +112,19 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=192)
     ap.add_argument("--user-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--pool-blocks", type=int, default=96)
+    ap.add_argument("--pool-blocks", type=int, default=84)
     ap.add_argument("--host-blocks", type=int, default=96)
     ap.add_argument("--disk-dir", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dev-setup", action="store_true")
     args = ap.parse_args()
     print(f"load at start {load_average()}; CPU flags: {cpu_flags()}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"torch {torch.__version__}")
     loaded = load_model(None, torch.float32)
+    if args.dev_setup:
+        dev_setup(args, loaded)
+        print(f"load at the end {load_average()}")
+        return
     bs = 16
     base = EngineConfig(block_size=bs, num_blocks=args.pool_blocks, max_num_batched_tokens=256,
                         dtype="float32", attention_backend="torch", max_model_len=2048
@@ -134,6 +143,39 @@ def main() -> None:
         samples = workload(args, arms, loaded.config.vocab_size)
         report(args, samples, arms, bs)
     print(f"load at the end {load_average()}")
+
+
+def dev_setup(args: argparse.Namespace, loaded: Any) -> None:
+    """The dev setup's engine config, host tier off vs on, no cache pressure."""
+    from adapters.native import NativeDriverConfig
+
+    base = NativeDriverConfig().engine
+    configs = {"off": base, "on": replace(base, kv_offloading_size=1.0)}
+    arms, startup = {}, {}
+    for arm, config in configs.items():
+        t0 = time.perf_counter()
+        arms[arm] = LLMEngine.from_config(config, loaded=loaded)
+        startup[arm] = time.perf_counter() - t0
+    rng = random.Random(args.seed)
+    vocab = loaded.config.vocab_size
+    history = tokens(rng, args.system_tokens, vocab)
+    ttft: dict[str, list[float]] = {"off": [], "on": []}
+    order = ["off", "on"]
+    for _ in range(args.turns * 2):
+        prompt = history + tokens(rng, args.user_tokens, vocab)
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        outs = {}
+        order.reverse()
+        for arm in order:
+            t, outs[arm], _ = run_request(arms[arm], prompt, params)
+            ttft[arm].append(t)
+        if outs["on"] != outs["off"]:
+            raise SystemExit("outputs differ between arms")
+        history = prompt + outs["on"]
+    for arm in ("off", "on"):
+        print(f"dev setup, host tier {arm}: start-up {startup[arm]:.2f}s, TTFT p50 "
+              f"{statistics.median(ttft[arm]) * 1e3:.1f}ms over {len(ttft[arm])} turns")
+    print(f"TTFT p50 on/off: {statistics.median(ttft['on']) / statistics.median(ttft['off']):.3f}")
 
 
 def workload(args: argparse.Namespace, arms: dict[str, LLMEngine], vocab: int) -> list[Sample]:

@@ -148,7 +148,13 @@ class TieredKV:
         stop = len(tokens) // bs
         digests = self.chain(namespace, tokens, stop)
         self._tick += 1
-        fresh = [k for k in range(first_block, stop) if not self._touch(digests[k])]
+        for digest in digests[first_block:stop]:
+            self._touch(digest)
+        # A block already in the target tier stays as it is; one only on disk is copied up
+        # into host RAM again (it was just in use).
+        held = self.host if target == MEDIUM_CPU else self.disk
+        assert held is not None
+        fresh = [k for k in range(first_block, stop) if digests[k] not in held]
         if not fresh:
             return
         index = torch.tensor([slots[(k - first_block) * bs + j] for k in fresh
@@ -186,14 +192,12 @@ class TieredKV:
             return MEDIUM_DISK
         return None
 
-    def _touch(self, digest: bytes) -> bool:
-        """Mark a block already held below as used now; False if no tier holds it."""
-        found = False
+    def _touch(self, digest: bytes) -> None:
+        """Mark a block held below as used now."""
         for tier in self._tiers():
             entry = tier.get(digest)
             if entry is not None:
-                entry.last_use, found = self._tick, True
-        return found
+                entry.last_use = self._tick
 
     def _to_host(self, entries: list[TierEntry], kvs: list[torch.Tensor]) -> None:
         host = self.host
@@ -219,7 +223,7 @@ class TieredKV:
         if blocks <= 0:
             return
         victims = self._victims(host.entries(), MEDIUM_CPU, blocks * host.block_bytes, protect)
-        down = [host.get(d) for d in victims if d not in protect]
+        down = [host.get(d) for d in victims]
         moving = [e for e in down if e is not None and self._worth_moving_down(e)]
         if moving:
             self._to_disk([TierEntry(e.digest, e.parent, e.token_ids, e.namespace, True,
