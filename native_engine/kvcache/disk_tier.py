@@ -234,7 +234,8 @@ class DiskTier:
                     return
                 digest = self._queue.popleft()
                 job = self._pending.get(digest)
-                if job is None:  # removed before it was written
+                if job is None:  # removed before it was written; drain() may wait on it
+                    self._lock.notify_all()
                     continue
                 self._writing = digest
             error = self._write_file(digest, *job)

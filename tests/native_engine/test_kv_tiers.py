@@ -335,3 +335,32 @@ def test_disk_index_is_rebuilt_from_valid_files_only(loaded: LoadedModel, tmp_pa
     assert sorted(directory.iterdir()) == good
     assert len(again.tiers.disk) == len(good) and again.tiers.disk.rejected == 2
     assert run(again, p, GREEDY).cached_tokens == (len(p) - 1) // BS * BS
+
+
+def test_a_write_cancelled_before_the_writer_sees_it_does_not_stall_drain(
+        tmp_path: Path) -> None:
+    """A block removed while still queued: the writer skips it, and a drain() already
+    waiting for it returns. Repeated, since which thread runs first is up to the OS."""
+    import threading
+
+    import torch
+
+    from native_engine.kvcache.disk_tier import DiskTier, KVLayout
+    from native_engine.kvcache.tier_entry import TierEntry
+
+    layout = KVLayout("test-model", "float32", BS, 2, 2, 16)
+    disk = DiskTier(tmp_path, layout, 64 * layout.block_bytes)
+    kv = torch.zeros(layout.block_shape)
+    for i in range(200):
+        entry = TierEntry(i.to_bytes(32, "big"), None, tuple(range(BS)), "t", True,
+                          layout.block_bytes)
+        with disk._lock:  # the writer thread cannot take anything from the queue meanwhile
+            assert disk.write(entry, kv)
+            assert disk.remove(entry.digest) is None
+            waiter = threading.Thread(target=disk.drain, daemon=True)
+            waiter.start()
+        waiter.join(5)
+        assert not waiter.is_alive(), f"drain() stalled on a cancelled write (round {i})"
+    assert not list(disk.directory.iterdir()) and len(disk) == 0
+    disk.close()
+    disk.check_integrity()
