@@ -32,7 +32,11 @@ log = logging.getLogger("fak.serve")
 
 
 def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
-    """A working single-tenant setup on the embedded model, with fresh one-time secrets."""
+    """A working single-tenant setup on the embedded model, with fresh one-time secrets.
+
+    KV tiers stay off here: with a 1 GiB host tier the dev engine started 5 s slower (the
+    restore calibration) and served no faster, since one user never fills its 2048-block
+    pool (`bench/kv_tiers.py --dev-setup`); a disk tier would keep prompt tokens on disk."""
     api_key = "fak-dev-" + secrets.token_urlsafe(24)
     admin_token = "fak-admin-" + secrets.token_urlsafe(24)
     config = parse_config({"server": {"data_dir": str(data_dir)}, "engine": {"kind": "native"}})
