@@ -18,7 +18,6 @@ from schemas.engine import (
     EngineError,
     EngineRequest,
     StreamChunk,
-    Usage,
 )
 
 SERVED_MODEL_NAME = "smollm2"
@@ -42,14 +41,6 @@ class NativeDriverConfig:
             model=section.model,
         )
         return cls(engine=engine)
-
-
-def usage_of(data: dict[str, Any]) -> Usage | None:
-    usage = data.get("usage")
-    if not usage:
-        return None
-    details = usage.get("prompt_tokens_details") or {}
-    return Usage(usage["prompt_tokens"], usage["completion_tokens"], details.get("cached_tokens"))
 
 
 class NativeDriver:
@@ -92,20 +83,18 @@ class NativeDriver:
         return self.serving
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+        """The typed body straight to the serving layer: no second validation, the salt
+        and priority as values."""
         serving = self._serving()
-        body = dict(request.body)
-        body.pop("cache_salt", None)
-        if request.cache_salt is not None:
-            body["cache_salt"] = request.cache_salt
-        body["priority"] = request.priority or 0
-        async for data in serving.run(request.route, body,
-                                      request.request_id or uuid.uuid4().hex):
-            if data is None:
-                yield StreamChunk(None, done=True)
-            else:
-                yield StreamChunk(data, usage=usage_of(data))
+        prepared = serving.prepare_parsed(request.route, request.body, request.cache_salt,
+                                          request.priority or 0)
+        async for chunk in serving.generate(prepared, request.request_id or uuid.uuid4().hex):
+            yield chunk
 
     async def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_alive
+
+    async def alive(self) -> bool:
         return self.engine is not None and self.engine.is_alive
 
     async def models(self) -> dict[str, Any]:

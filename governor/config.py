@@ -17,6 +17,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
+    """`[server]`. Timeouts bound every phase a client controls: the request head
+    (`header_timeout_s`), the body (`body_timeout_s`, else 408), an idle keep-alive
+    connection (`keepalive_timeout_s`); `max_connections_per_peer` caps one address's open
+    connections. Admission waits at most `admission_wait_s`, with at most `max_queued`
+    waiters in all. `/metrics` is served on its own listener (`metrics_host`,
+    `metrics_port`, None: `port + 1`), and on the tenant port only to `metrics_token_sha256`.
+    """
+
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = Path("./fak-data")
@@ -25,8 +33,23 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     admission_wait_s: float = 10.0
     max_engine_concurrency: int = 64
+    max_queued: int = 256
     drain_timeout_s: float = 30.0
     keepalive_s: float = 15.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 75.0
+    max_connections_per_peer: int = 256
+    unknown_fields: Literal["reject", "drop"] = "reject"
+    default_max_tokens: int = 2048
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    metrics_token_sha256: str | None = None
+    metrics_refresh_s: float = 5.0
+
+    @property
+    def metrics_listen_port(self) -> int:
+        return self.port + 1 if self.metrics_port is None else self.metrics_port
 
 
 @dataclass(frozen=True, slots=True)

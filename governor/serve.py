@@ -10,8 +10,6 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-from aiohttp import web
-
 from adapters.driver import EngineDriver
 from governor.audit.log import AuditLog, AuditLogConfig
 from governor.auth import sha256_hex
@@ -23,7 +21,7 @@ from governor.config import (
     load_config,
     parse_config,
 )
-from governor.http.app import build_app
+from governor.http.server import GovernorServer
 from governor.secrets import StartupRefused, TenantEpochs, load_salt_key
 from governor.state import Governor
 from policies.salts import SaltKey, SaltKeyError
@@ -88,11 +86,10 @@ def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: boo
 
 async def run_governor(gov: Governor, server: ServerConfig) -> None:
     await gov.driver.start()
-    runner = web.AppRunner(build_app(gov), handler_cancellation=True,
-                           shutdown_timeout=server.drain_timeout_s)
-    await runner.setup()
-    await web.TCPSite(runner, server.host, server.port).start()
-    print(f"fak: serving on http://{server.host}:{server.port}", flush=True)
+    listeners = GovernorServer(gov)
+    await listeners.start(server.host, server.port, server.metrics_host,
+                          server.metrics_listen_port)
+    print(f"fak: serving on {listeners.url} (metrics on {listeners.metrics_url})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -104,7 +101,7 @@ async def run_governor(gov: Governor, server: ServerConfig) -> None:
         gov.draining = True
         await drain(gov, server.drain_timeout_s)
         checkpoints.cancel()
-        await runner.cleanup()
+        await listeners.stop()
         await gov.driver.close()
         gov.audit.close()
 

@@ -6,18 +6,20 @@ import time
 from typing import Any
 
 from adapters.driver import EngineDriver
-from governor.admission import Admission
+from governor.admission import Admission, AdmissionRejected, Ticket
 from governor.audit.entry import AuditLogError
 from governor.audit.log import AuditLog
 from governor.auth import Authenticator
 from governor.config import GovernorConfig, TenantConfig
-from governor.http.validation import bad_request
+from governor.errors import GovernorError, rate_limited, unavailable
 from governor.metrics import GovernorMetrics
+from governor.pipeline import ClientSaltRejected, PipelineInputs, Prepared, prepare
 from governor.secrets import TenantEpochs
 from policies.priority import PriorityConfig, admission_rank, engine_priority
-from policies.salts import SaltKey, find_client_salts, strip_client_salts, tenant_salt
+from policies.request_fields import FieldRules
+from policies.salts import SaltKey, tenant_salt
 from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence
-from schemas.engine import EngineError, EngineRequest
+from schemas.openai import Route
 
 
 class Governor:
@@ -36,65 +38,79 @@ class Governor:
         self.epochs = epochs
         self.auth = Authenticator(config.tenants, config.server.admin_token_sha256)
         self.priorities = PriorityConfig()
-        self.admission = Admission(config.server.max_engine_concurrency,
-                                   config.server.admission_wait_s)
+        server = config.server
+        self.admission = Admission(server.max_engine_concurrency, server.admission_wait_s,
+                                   server.max_queued)
+        self.inputs = {t.id: self._inputs(t) for t in config.tenants}
+        for t in config.tenants:
+            self.admission.set_rate_limits(t.id, t.requests_per_s, t.tokens_per_min)
         self.metrics = GovernorMetrics()
         self.draining = False
+
+    def _inputs(self, tenant: TenantConfig) -> PipelineInputs:
+        server = self.config.server
+        rules = FieldRules(allow=frozenset(tenant.allow), unknown_fields=server.unknown_fields,
+                           media_url_allowlist=tenant.media_url_allowlist)
+        return PipelineInputs(rules, tenant.max_tokens or server.default_max_tokens,
+                              server.client_cache_salt)
 
     def salt_for(self, tenant_id: str) -> str:
         return tenant_salt(self.salt_key, tenant_id, self.epochs.get(tenant_id))
 
-    def prepare(self, tenant: TenantConfig, route: str, body: dict[str, Any],
-                request_id: str) -> tuple[EngineRequest, bool]:
-        """Client salt policy, governor salt, priority. Returns the request and whether the
-        client asked for the usage chunk (the governor always asks upstream, to account)."""
+    def prepare(self, tenant: TenantConfig, route: Route, value: Any,
+                request_id: str) -> Prepared:
+        """The pipeline (governor.pipeline) with this tenant's inputs, salt and priority;
+        client salts are counted and audited."""
         caps = self.driver.capabilities
-        if body.get("model") not in (None, caps.model_id):
-            raise EngineError(404, f"The model `{body['model']}` does not exist.",
-                              type="NotFoundError", param="model")
-        if find_client_salts(body):
-            action = {"reject": "rejected", "strip": "stripped"}[
-                self.config.server.client_cache_salt]
-            self.record(AuditEvent(kind=f"client_salt_{action}", actor=tenant.id,
-                                   state=AuditState.RECORDED, tenant=tenant.id,
-                                   request_id=request_id))
-            self.metrics.client_salts.labels(tenant.id, action).inc()
-            if action == "rejected":
-                raise bad_request("cache_salt is set by the governor; do not send one",
-                                  "cache_salt")
-            body, _ = strip_client_salts(body)
-        body = {k: v for k, v in body.items() if k != "priority"}
-        body["model"] = caps.model_id
-        stream = bool(body.get("stream"))
-        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        if stream:
-            body["stream_options"] = {**(body.get("stream_options") or {}),
-                                      "include_usage": True}
-        priority = engine_priority(self.priorities, tenant.tenant_class, caps)
         salt = self.salt_for(tenant.id) if caps.cache_salt else None
-        request = EngineRequest(request_id=request_id, route=route,  # type: ignore[arg-type]
-                                body=body, tenant=tenant.id, cache_salt=salt,
-                                priority=priority, stream=stream)
-        return request, wants_usage
+        priority = engine_priority(self.priorities, tenant.tenant_class, caps)
+        try:
+            prepared = prepare(route, value, self.inputs[tenant.id], caps, tenant.id,
+                               request_id, salt, priority)
+        except ClientSaltRejected:
+            self.note_client_salt(tenant.id, "rejected", request_id)
+            raise
+        if prepared.stripped_salts:
+            self.note_client_salt(tenant.id, "stripped", request_id)
+        return prepared
 
-    async def admit(self, tenant: TenantConfig) -> float:
+    def note_client_salt(self, tenant_id: str, action: str, request_id: str) -> None:
+        self.metrics.client_salts.labels(tenant_id, action).inc()
+        self.record(AuditEvent(kind=f"client_salt_{action}", actor=tenant_id,
+                               state=AuditState.RECORDED, tenant=tenant_id,
+                               request_id=request_id))
+
+    def reserve(self, tenant: TenantConfig) -> Ticket:
+        """A place in the admission queue, before the body is read (429 at once if full)."""
         if self.draining:
-            raise EngineError(503, "the governor is shutting down", type="server_error")
+            raise unavailable("the governor is shutting down", reason="draining")
+        try:
+            return self.admission.reserve(tenant.id, tenant.max_concurrency,
+                                          admission_rank(self.priorities, tenant.tenant_class),
+                                          tenant.queue_limit)
+        except AdmissionRejected as rej:
+            raise rate_limited(rej.reason, rej.retry_after_s) from None
+
+    async def admit(self, ticket: Ticket) -> float:
+        """Wait for the ticket's engine slot; returns the seconds waited."""
         start = time.monotonic()
-        await self.admission.acquire(tenant.id, tenant.max_concurrency,
-                                     admission_rank(self.priorities, tenant.tenant_class))
+        try:
+            await self.admission.wait(ticket)
+        except AdmissionRejected as rej:
+            raise rate_limited(rej.reason, rej.retry_after_s) from None
         return time.monotonic() - start
 
-    def release(self, tenant: TenantConfig) -> None:
-        self.admission.release(tenant.id)
+    def release(self, ticket: Ticket, tokens: int = 0) -> None:
+        self.admission.charge_tokens(ticket.tenant, tokens)
+        self.admission.cancel(ticket)
 
     def record(self, event: AuditEvent) -> AuditRecord:
         """Append to the audit log; if that fails nothing may proceed (SEC-18)."""
         try:
             return self.audit.append(event)
         except (AuditLogError, OSError) as exc:
-            raise EngineError(503, f"the audit log cannot be written: {exc}",
-                              type="server_error") from None
+            raise GovernorError(503, f"the audit log cannot be written: {exc}",
+                                "server_error", reason="audit_unwritable") from None
 
     def rotate(self, tenant_id: str, actor: str) -> AuditRecord:
         """Bump the tenant's epoch: its next request gets a new salt, so nothing it cached
@@ -107,10 +123,8 @@ class Governor:
     def tenant_views(self) -> list[dict[str, Any]]:
         return [
             {"id": t.id, "class": t.tenant_class, "epoch": self.epochs.get(t.id),
-             "max_concurrency": t.max_concurrency, "max_tokens": t.max_tokens,
-             "in_flight": self.admission.per_tenant.get(t.id, 0)}
+             "max_concurrency": t.max_concurrency,
+             "max_tokens": t.max_tokens or self.config.server.default_max_tokens,
+             "in_flight": self.admission.per_tenant(t.id)}
             for t in self.config.tenants
         ]
-
-    async def refresh_serving_metrics(self) -> None:
-        self.metrics.set_serving(await self.driver.serving_metrics())

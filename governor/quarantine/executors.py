@@ -103,9 +103,8 @@ async def probe_usage(driver: Any, tenant: str, salt: str, probe: Probe,
     """One non-streaming, one-token, greedy request of the span in `salt`'s namespace."""
     body = {**probe.body, "max_tokens": 1, "temperature": 0}
     body.setdefault("model", driver.capabilities.model_id)
-    request = EngineRequest(request_id=f"fak-quarantine-probe-{uuid.uuid4().hex}",
-                            route=probe.route,  # type: ignore[arg-type]
-                            body=body, tenant=tenant, cache_salt=salt)
+    request = EngineRequest.of(f"fak-quarantine-probe-{uuid.uuid4().hex}",
+                               probe.route, body, tenant, salt)  # type: ignore[arg-type]
     usage = None
     async with contextlib.aclosing(driver.generate(request)) as chunks:
         async with asyncio.timeout(timeout_s):

@@ -38,9 +38,10 @@ from native_engine.kvcache.events import EventPublisher, KVEventRecorder
 from native_engine.serve.kv_config import KVEventsConfig
 from native_engine.serve.kv_publisher import make_publisher
 from native_engine.serve.metrics import CacheInfo, ServerMetrics
-from native_engine.serve.openai_api import Route, parse_json
+from native_engine.serve.openai_api import parse_json
 from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
-from schemas.engine import EngineError
+from schemas.engine import EngineError, StreamChunk
+from schemas.openai import Route
 
 log = logging.getLogger("fak.engine.serve")
 
@@ -174,26 +175,27 @@ class EngineServer:
             return error_response(exc)
         async with contextlib.aclosing(events):
             if not prepared.stream:
-                return web.Response(body=_json_bytes(first), content_type="application/json")
+                return web.Response(body=_json_bytes(first.data),
+                                    content_type="application/json")
             return await self._stream(request, first, events)
 
-    async def _stream(self, request: web.Request, first: dict[str, Any] | None,
-                      events: AsyncIterator[dict[str, Any] | None]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, first: StreamChunk,
+                      events: AsyncIterator[StreamChunk]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         item = first
         try:
             while True:
-                data = b"[DONE]" if item is None else _json_bytes(item)
+                data = b"[DONE]" if item.done else _json_bytes(item.data)
                 await response.write(b"data: " + data + b"\n\n")
-                if item is None:
+                if item.done:
                     break
                 try:
                     item = await anext(events)
                 except EngineError as exc:  # mid-stream: vLLM sends the error as an event
                     await response.write(b"data: " + _json_bytes(exc.to_json()) + b"\n\n")
-                    item = None
+                    item = StreamChunk(None, done=True)
             await response.write_eof()
         except ConnectionResetError:  # the client left; closing `events` aborts the request
             log.info("client disconnected from %s", request.path)
