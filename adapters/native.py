@@ -86,8 +86,8 @@ class NativeDriver:
         """The typed body straight to the serving layer: no second validation, the salt
         and priority as values."""
         serving = self._serving()
-        prepared = serving.prepare_parsed(request.route, request.body, request.cache_salt,
-                                          request.priority or 0)
+        prepared = await serving.prepare_off_loop(request.route, request.body,
+                                                  request.cache_salt, request.priority or 0)
         async for chunk in serving.generate(prepared, request.request_id or uuid.uuid4().hex):
             yield chunk
 

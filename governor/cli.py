@@ -17,6 +17,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--metrics-port", type=int, help="the private /metrics listener "
+                   "(default: port + 1; 0: any free port)")
     p.add_argument("--data-dir")
     p.add_argument("--init-key", action="store_true",
                    help="create the salt key in data_dir if it is missing")
@@ -84,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from governor.serve import cmd_serve
 
-            return cmd_serve(args.config, args.host, args.port, args.data_dir, args.init_key)
+            return cmd_serve(args.config, args.host, args.port, args.data_dir, args.init_key,
+                             args.metrics_port)
         if args.command == "generate":
             from native_engine.generate_cli import cmd_generate
 

@@ -122,7 +122,8 @@ async def drain(gov: Governor, deadline_s: float) -> None:
 
 
 def cmd_serve(config_path: str | None, host: str | None, port: int | None,
-              data_dir: str | None, init_key: bool = False) -> int:
+              data_dir: str | None, init_key: bool = False,
+              metrics_port: int | None = None) -> int:
     """With a config the salt key must exist unless `init_key`; the dev setup makes one."""
     if config_path:
         config, create_key, banner = load_config(Path(config_path)), init_key, None
@@ -131,8 +132,8 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
         create_key = True
         banner = (f"fak dev setup: tenant 'dev' API key: {api_key}\n"
                   f"fak dev setup: admin token: {admin_token}")
-    server = replace(config.server, **{k: v for k, v in
-                                       {"host": host, "port": port}.items() if v is not None})
+    given = {"host": host, "port": port, "metrics_port": metrics_port}
+    server = replace(config.server, **{k: v for k, v in given.items() if v is not None})
     if data_dir and config_path:
         server = replace(server, data_dir=Path(data_dir))
     config = replace(config, server=server)

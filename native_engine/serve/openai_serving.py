@@ -10,6 +10,7 @@ ends).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -39,6 +40,17 @@ from schemas.engine import EngineError, StreamChunk, Usage
 from schemas.openai import AnyRequest, ChatRequest, Route
 
 LogprobEntry = tuple[str, float, list[tuple[str, float]]]
+OFF_LOOP_CHARS = 32 << 10  # prompts this long are tokenised on a worker thread
+
+
+def text_size(parsed: AnyRequest) -> int:
+    """Characters the tokenizer and chat template will see."""
+    if isinstance(parsed, ChatRequest):
+        return sum(len(m.text() or "") for m in parsed.messages)
+    prompt = parsed.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt or () if isinstance(p, str))
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +141,14 @@ class OpenAIServing:
     def prepare(self, route: Route, body: Any) -> Prepared:
         """Validate and tokenise a raw body; every 4xx a request can get is raised here."""
         return self._prepare(route, validate_body(route, body), None, None)
+
+    async def prepare_off_loop(self, route: Route, parsed: AnyRequest,
+                               namespace: str | None, priority: int | None) -> Prepared:
+        """`prepare_parsed`, on a worker thread when the text is long: tokenising a large
+        prompt must not stall every other request on the event loop."""
+        if text_size(parsed) < OFF_LOOP_CHARS:
+            return self.prepare_parsed(route, parsed, namespace, priority)
+        return await asyncio.to_thread(self.prepare_parsed, route, parsed, namespace, priority)
 
     def prepare_parsed(self, route: Route, parsed: AnyRequest, namespace: str | None,
                        priority: int | None) -> Prepared:

@@ -38,7 +38,7 @@ from native_engine.kvcache.events import EventPublisher, KVEventRecorder
 from native_engine.serve.kv_config import KVEventsConfig
 from native_engine.serve.kv_publisher import make_publisher
 from native_engine.serve.metrics import CacheInfo, ServerMetrics
-from native_engine.serve.openai_api import parse_json
+from native_engine.serve.openai_api import parse_json, validate_body
 from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
 from schemas.engine import EngineError, StreamChunk
 from schemas.openai import Route
@@ -168,7 +168,8 @@ class EngineServer:
         # The engine id stays unique even when clients repeat an X-Request-Id.
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         try:
-            prepared = self.serving.prepare(route, parse_json(await request.read()))
+            parsed = validate_body(route, parse_json(await request.read()))
+            prepared = await self.serving.prepare_off_loop(route, parsed, None, None)
             events = self.serving.generate(prepared, f"{request_id}-{uuid.uuid4().hex[:8]}")
             first = await anext(events)
         except EngineError as exc:
