@@ -187,8 +187,8 @@ def sampling_params(parsed: CompletionBody | ChatBody, prompt_len: int, max_mode
             priority=parsed.priority if priority_enabled else 0,
             namespace=parsed.cache_salt,
         )
-    except ValueError as exc:
-        raise bad_request(str(exc), None) from None
+    except ValueError as exc:  # a SamplingParamError names its field
+        raise bad_request(str(exc), getattr(exc, "param", None)) from None
 
 
 # -- responses ----------------------------------------------------------------------------
