@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from native_engine.async_engine import AsyncLLMEngine
+from native_engine.async_engine import AsyncLLMEngine, EngineState, Liveness, SupervisorConfig
 from native_engine.config import EngineConfig
 from native_engine.engine import EngineStats, LLMEngine
 from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
@@ -28,6 +28,7 @@ class NativeDriverConfig:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(
         num_blocks=2048, max_model_len=2048, scheduling_policy="priority"))
     served_model_name: str = SERVED_MODEL_NAME
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     @classmethod
     def from_section(cls, section: Any) -> NativeDriverConfig:
@@ -64,7 +65,7 @@ class NativeDriver:
     async def start(self) -> None:
         engine = self._engine or await asyncio.to_thread(LLMEngine.from_config,
                                                          self.config.engine)
-        self.engine = AsyncLLMEngine(engine)
+        self.engine = AsyncLLMEngine(engine, self.config.supervisor)
         await self.engine.start()
         runner = engine.runner
         self.serving = OpenAIServing(
@@ -77,7 +78,8 @@ class NativeDriver:
             await self.engine.close()
 
     def _serving(self) -> OpenAIServing:
-        if self.serving is None or self.engine is None or not self.engine.is_alive:
+        if self.serving is None or self.engine is None or self.engine.liveness().state not in (
+                EngineState.ALIVE, EngineState.RESTARTING):  # a restarting engine queues
             raise EngineError(503, "the native engine is not running",
                               type="ServiceUnavailableError")
         return self.serving
@@ -92,10 +94,16 @@ class NativeDriver:
             yield chunk
 
     async def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_alive
+        return await self.alive()
 
     async def alive(self) -> bool:
+        """The engine loop runs (not restarting, dead or closed), as `fak engine serve`'s
+        /health reports it."""
         return self.engine is not None and self.engine.is_alive
+
+    def liveness(self) -> Liveness | None:
+        """The engine's state, restart count and last crash reason (None before start)."""
+        return None if self.engine is None else self.engine.liveness()
 
     async def models(self) -> dict[str, Any]:
         return self._serving().models(self.config.engine.model or "embedded:SmolLM2-135M")

@@ -161,8 +161,8 @@ def sampling_params(parsed: AnyRequest, prompt_len: int, max_model_len: int,
             priority=chosen if priority_enabled else 0,
             namespace=parsed.cache_salt if namespace is None else namespace,
         )
-    except ValueError as exc:
-        raise bad_request(str(exc), None) from None
+    except ValueError as exc:  # a SamplingParamError names its field
+        raise bad_request(str(exc), getattr(exc, "param", None)) from None
 
 
 # -- responses ----------------------------------------------------------------------------

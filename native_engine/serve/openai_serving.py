@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from native_engine.async_engine import AsyncLLMEngine, EngineDeadError
+from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from native_engine.engine import RequestOutput
 from native_engine.model.chat_template import ChatTemplate, ChatTemplateError
 from native_engine.model.tokenizer import TextTokenizer
@@ -197,6 +197,8 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise EngineError(503, f"the native engine is not running: {exc}",
                               type="ServiceUnavailableError") from None
+        except RequestFailedError as exc:  # logged with its cause by the engine
+            raise EngineError(500, str(exc), type="InternalServerError") from None
         except ValueError as exc:
             raise bad_request(str(exc), None) from None
         finally:

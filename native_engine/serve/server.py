@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from native_engine.async_engine import AsyncLLMEngine
+from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, SupervisorConfig
 from native_engine.config import EngineConfig, SchedulingPolicy
 from native_engine.engine import LLMEngine
 from native_engine.kvcache.events import EventPublisher, KVEventRecorder
@@ -70,6 +70,7 @@ class ServerConfig:
     device: str = "auto"
     dev_mode: bool = False
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -127,6 +128,9 @@ async def fastapi_shaped_errors(request: web.Request,
         raise
     except EngineError as exc:
         return error_response(exc)
+    except EngineDeadError as exc:
+        return error_response(EngineError(503, f"the native engine is not running: {exc}",
+                                          type="ServiceUnavailableError"))
     except Exception as exc:  # a bug must still answer in the API's error shape
         log.exception("unhandled error on %s", request.path)
         return error_response(EngineError(500, f"internal error: {exc!r}"))
@@ -206,14 +210,20 @@ class EngineServer:
         return web.json_response(self.serving.models(self.config.model_root))
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.engine.is_alive else 503)
+        """200 (empty, as vLLM) only while the engine loop runs; else 503 saying why."""
+        live = self.engine.liveness()
+        if live.alive:
+            return web.Response(status=200)
+        return web.json_response({"status": live.state.value, "reason": live.reason,
+                                  "restarts": live.restarts}, status=503)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": fak_version()})
 
     async def scrape(self, request: web.Request) -> web.Response:
         if self.engine.is_alive:
-            self.metrics.update(await self.engine.stats())
+            with contextlib.suppress(EngineDeadError):  # it died since: serve what we have
+                self.metrics.update(await self.engine.stats())
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": self.metrics.content_type})
 
@@ -264,7 +274,7 @@ async def build_server(config: ServerConfig) -> tuple[EngineServer, EventPublish
     except BaseException:
         publisher.close()
         raise
-    engine = AsyncLLMEngine(llm)
+    engine = AsyncLLMEngine(llm, config.supervisor)
     await engine.start()
     metrics = ServerMetrics(config.model_name, CacheInfo(
         llm.config.block_size, llm.config.num_blocks, llm.cache is not None))
