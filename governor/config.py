@@ -62,6 +62,7 @@ class EngineSection:
     metrics_url: str | None = None
     max_model_len: int = 2048
     num_blocks: int | None = None
+    cache_control_token_env: str | None = None
     declare: CapabilityDeclaration = field(default_factory=CapabilityDeclaration)
 
 
