@@ -27,9 +27,12 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     asub = audit.add_subparsers(dest="audit_command", required=True, metavar="ACTION")
     verify = asub.add_parser("verify", help="verify LOG end to end; name the first bad index")
     verify.add_argument("log")
-    verify.add_argument("--anchor", help="a signed checkpoint kept elsewhere (JSON file)")
+    verify.add_argument("--anchor", help="a signed checkpoint kept elsewhere (JSON file), or "
+                        "an anchor_dir (its latest export is used)")
     checkpoint = asub.add_parser("checkpoint", help="print the latest signed checkpoint")
     checkpoint.add_argument("--data-dir", default="./fak-data")
+    checkpoint.add_argument("--signing-key", help="the log's signing key, when [audit] "
+                            "signing_key_path keeps it outside the data dir")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -107,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if args.audit_command == "verify":
                 return cmd_audit_verify(args.log, args.anchor)
-            return cmd_audit_checkpoint(args.data_dir)
+            return cmd_audit_checkpoint(args.data_dir, args.signing_key)
     except (ConfigError, StartupRefused) as exc:
         print(f"fak: {exc}", file=sys.stderr)
         return 2

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from typing import Any
 
 from adapters.driver import EngineDriver
 from governor.admission import Admission
+from governor.audit.counters import AuditCounters
 from governor.audit.entry import AuditLogError
 from governor.audit.log import AuditLog
 from governor.auth import Authenticator
@@ -39,6 +42,7 @@ class Governor:
         self.admission = Admission(config.server.max_engine_concurrency,
                                    config.server.admission_wait_s)
         self.metrics = GovernorMetrics()
+        self.audit_counters = AuditCounters(config.audit.summary_interval_s, audit.refusal)
         self.draining = False
 
     def salt_for(self, tenant_id: str) -> str:
@@ -55,9 +59,7 @@ class Governor:
         if find_client_salts(body):
             action = {"reject": "rejected", "strip": "stripped"}[
                 self.config.server.client_cache_salt]
-            self.record(AuditEvent(kind=f"client_salt_{action}", actor=tenant.id,
-                                   state=AuditState.RECORDED, tenant=tenant.id,
-                                   request_id=request_id))
+            self.audit_counters.note(tenant.id, f"client_salt_{action}")
             self.metrics.client_salts.labels(tenant.id, action).inc()
             if action == "rejected":
                 raise bad_request("cache_salt is set by the governor; do not send one",
@@ -88,21 +90,54 @@ class Governor:
     def release(self, tenant: TenantConfig) -> None:
         self.admission.release(tenant.id)
 
-    def record(self, event: AuditEvent) -> AuditRecord:
-        """Append to the audit log; if that fails nothing may proceed (SEC-18)."""
+    async def record(self, event: AuditEvent) -> AuditRecord:
+        """Append to the audit log (the writer thread commits it; this awaits durability);
+        if that fails nothing may proceed (SEC-18)."""
         try:
-            return self.audit.append(event)
+            return await self.audit.append_async(event)
         except (AuditLogError, OSError) as exc:
             raise EngineError(503, f"the audit log cannot be written: {exc}",
                               type="server_error") from None
 
-    def rotate(self, tenant_id: str, actor: str) -> AuditRecord:
+    async def rotate(self, tenant_id: str, actor: str) -> AuditRecord:
         """Bump the tenant's epoch: its next request gets a new salt, so nothing it cached
-        before is reachable (SEC-10)."""
-        old, new = self.epochs.bump(tenant_id)
-        return self.record(AuditEvent(kind="rotate", actor=actor, state=AuditState.RECORDED,
-                                      tenant=tenant_id, plan="salt_rotation",
-                                      evidence=Evidence(old_epoch=old, new_epoch=new)))
+        before is reachable (SEC-10). The `rotate` record is durable before the new epoch is
+        visible; when it cannot be written the epoch stays and the answer is 503. Once
+        started, a rotation finishes even if the caller goes away."""
+
+        def event_for(old: int, new: int) -> AuditEvent:
+            return AuditEvent(kind="rotate", actor=actor, state=AuditState.RECORDED,
+                              tenant=tenant_id, plan="salt_rotation",
+                              request_id=f"rot-{uuid.uuid4().hex}",
+                              evidence=Evidence(old_epoch=old, new_epoch=new))
+
+        task = asyncio.ensure_future(self.epochs.rotate(tenant_id, event_for,
+                                                        self.audit.append_async))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            return await asyncio.shield(task)
+        except (AuditLogError, OSError) as exc:
+            raise EngineError(503, f"the audit log cannot be written: {exc}; the epoch is "
+                              f"unchanged", type="server_error") from None
+
+    def audit_problem(self) -> str | None:
+        """Why the audit log cannot take records now (None when it can), for `/ready`."""
+        return self.audit.problem()
+
+    def audit_ready(self) -> bool:
+        return self.audit_problem() is None
+
+    async def flush_audit_summaries(self, force: bool = False) -> int:
+        """Write the client-event summaries due now (all with `force`); their count. Counts
+        that could not be written are kept for the next try."""
+        events = self.audit_counters.pending_summaries(force)
+        for n, event in enumerate(events):
+            try:
+                await self.audit.append_async(event)
+            except BaseException:
+                self.audit_counters.restore(events[n:])
+                raise
+        return len(events)
 
     def tenant_views(self) -> list[dict[str, Any]]:
         return [

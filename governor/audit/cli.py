@@ -6,6 +6,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from governor.audit.anchor import latest_anchor
 from governor.audit.entry import AuditLogBusy, AuditLogError, canonical_json, checkpoints_path
 from governor.audit.log import AuditLog, AuditLogConfig
 from governor.audit.verify import AuditLogCorrupt, read_checkpoints, verify
@@ -13,6 +14,9 @@ from schemas.audit import SignedCheckpoint
 
 
 def load_anchor(path: Path | str) -> SignedCheckpoint:
+    """A checkpoint file, or the latest export in an anchor directory."""
+    if Path(path).is_dir():
+        return latest_anchor(Path(path))
     try:
         return SignedCheckpoint.from_dict(json.loads(Path(path).read_text()))
     except (OSError, ValueError, TypeError) as exc:
@@ -35,14 +39,18 @@ def cmd_audit_verify(log: Path | str, anchor: Path | str | None = None) -> int:
     return 3 if report.torn_tail_bytes else 0
 
 
-def cmd_audit_checkpoint(data_dir: Path | str) -> int:
+def cmd_audit_checkpoint(data_dir: Path | str, signing_key: Path | str | None = None) -> int:
     """`fak audit checkpoint`: print a signed checkpoint covering the whole log, to keep as
-    an anchor. With the governor running (writer lock held) the latest stored one is
-    printed, and stderr says how many records it does not cover yet."""
-    config = AuditLogConfig(Path(data_dir))
+    an anchor. With the governor running (writer lock held), or without the signing key at
+    hand, the latest stored one is printed, and stderr says how many records it does not
+    cover yet."""
+    config = AuditLogConfig(Path(data_dir),
+                            signing_key_path=None if signing_key is None else Path(signing_key))
     if not config.log_path.is_file():
         print(f"fak audit checkpoint: no audit log at {config.log_path}", file=sys.stderr)
         return 2
+    if not config.key_path.is_file():  # never create a key beside someone else's log
+        return _print_stored_checkpoint(config.log_path)
     try:
         with AuditLog.open(config) as log:
             print(log.export_checkpoint())

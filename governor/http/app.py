@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from governor.admission import AdmissionRejected
+from governor.audit.counters import namespace_headers
 from governor.http.common import GOVERNOR_KEY, _err, admin_only, error_response, read_json
 from governor.http.validation import validate_body
 from governor.quarantine.routes import add_quarantine_routes
@@ -146,6 +147,8 @@ def generation_handler(route: str) -> Callable[[web.Request], Awaitable[web.Stre
             gov.metrics.rejections.labels("unknown", "unauthenticated").inc()
             return _err(401, "Invalid or missing API key.", "authentication_error")
         try:
+            if namespace_headers(request.headers):
+                gov.audit_counters.note(tenant.id, "client_header_dropped")
             body = validate_body(route, await read_json(request, gov.config.server.max_body_bytes),
                                  tenant.max_tokens)
             engine_request, wants_usage = gov.prepare(tenant, route, body,
@@ -217,7 +220,7 @@ async def handle_rotate(request: web.Request) -> web.Response:
     tenant_id = request.match_info["tenant_id"]
     if gov.config.tenant(tenant_id) is None:
         return _err(404, f"unknown tenant {tenant_id!r}", "not_found_error", "tenant_id")
-    return web.json_response(document(gov.rotate(tenant_id, actor="admin-api")))
+    return web.json_response(document(await gov.rotate(tenant_id, actor="admin-api")))
 
 
 @web.middleware

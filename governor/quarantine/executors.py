@@ -348,7 +348,7 @@ async def rotate_salt(gov: Any, tenant: str, actor: str, probe: Probe,
                   removal_ok=None, threshold=0)
     old_salt = gov.salt_for(tenant)
     await _control_if_readable(gov.driver, tenant, old_salt, probe, config, facts)
-    rotated = gov.rotate(tenant, actor=actor).event.evidence
+    rotated = (await gov.rotate(tenant, actor=actor)).event.evidence
     facts.old_epoch, facts.new_epoch = rotated.old_epoch, rotated.new_epoch
     new_salt = gov.salt_for(tenant)
     facts.engine_result, facts.engine_ok = "epoch_bumped", new_salt != old_salt

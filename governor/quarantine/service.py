@@ -295,7 +295,7 @@ class QuarantineService:
             plan = plan_quarantine(QuarantineSpan(request.tenant, count),
                                    self.gov.driver.capabilities, request.require_exact)
             facts = await self._execute(plan, request, resolved, actor)
-            return self._commit(request, plan, resolved, facts, actor, started)
+            return await self._commit(request, plan, resolved, facts, actor, started)
 
     def _resolve(self, request: QuarantineRequest) -> _Resolved:
         driver, span = self.gov.driver, request.span
@@ -339,8 +339,9 @@ class QuarantineService:
                          engine_ok=False, removal="not_checked", removal_ok=None,
                          threshold=request.start)
 
-    def _commit(self, request: QuarantineRequest, plan: QuarantinePlan, resolved: _Resolved,
-                facts: Facts | None, actor: str, started: int) -> QuarantineRecord:
+    async def _commit(self, request: QuarantineRequest, plan: QuarantinePlan,
+                      resolved: _Resolved, facts: Facts | None, actor: str,
+                      started: int) -> QuarantineRecord:
         quarantine_id = f"q-{uuid.uuid4().hex}"
         length = resolved.length if resolved.length is not None else (
             facts.prompt_tokens if facts is not None else None)
@@ -358,7 +359,7 @@ class QuarantineService:
             state, deciding = verdict(facts)
             reasons += [*facts.codes, *deciding]
             evidence = _evidence(facts)
-        record = self.gov.record(AuditEvent(
+        record = await self.gov.record(AuditEvent(
             kind="quarantine", actor=actor, state=state, tenant=request.tenant,
             plan=plan.kind.value, reasons=tuple(reasons), span=span_ref, evidence=evidence,
             request_id=quarantine_id))
