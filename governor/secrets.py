@@ -83,6 +83,12 @@ class TenantEpochs:
     def get(self, tenant: str) -> int:
         return self._epochs.get(tenant, 0)
 
+    def problem(self) -> str | None:
+        return None  # in memory and on local disk: always current
+
+    def close(self) -> None:
+        return None
+
     async def rotate(self, tenant: str, event_for: Callable[[int, int], AuditEvent],
                      append: Callable[[AuditEvent], Awaitable[AuditRecord]]) -> AuditRecord:
         """Bump `tenant`'s epoch, audited: `append(event_for(old, new))` returns the durable

@@ -30,6 +30,7 @@ from governor.state import Governor
 from policies.salts import SaltKey, SaltKeyError
 
 log = logging.getLogger("fak.serve")
+SHUTDOWN_WAIT_S = 10.0  # for the audit's last writes when the state database is away
 
 
 def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
@@ -83,6 +84,13 @@ def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: boo
         key = SaltKey(load_salt_key(data_dir, create=create_key))
     except SaltKeyError as exc:
         raise StartupRefused(str(exc)) from exc
+    if config.state.backend == "postgres":
+        from governor.store.backend import open_shared_state
+
+        shared = open_shared_state(config, audit_log_config(config), key)
+        gov = Governor(config, driver, key, shared.epochs, shared.audit)
+        gov.quarantine_store = shared.records
+        return gov
     audit = AuditLog.open(audit_log_config(config))
     return Governor(config, driver, key, TenantEpochs(data_dir, audit.epochs_at_open), audit)
 
@@ -142,12 +150,16 @@ async def checkpoint_loop(gov: Governor, every_s: float = 1.0) -> None:
 
 
 async def close_audit(gov: Governor) -> None:
-    """Write every pending summary, then close the log (its final checkpoint)."""
+    """Write every pending summary, close the log (its final checkpoint), then leave the
+    replica registry (postgres)."""
     try:
-        await gov.flush_audit_summaries(force=True)
+        await asyncio.wait_for(gov.flush_audit_summaries(force=True), SHUTDOWN_WAIT_S)
     except Exception as exc:
         log.error("audit summaries not written at shutdown: %s", exc)
     await asyncio.to_thread(gov.audit.close)
+    await asyncio.to_thread(gov.epochs.close)
+    if gov.quarantine_store is not None:
+        gov.quarantine_store.close()
 
 
 async def drain(gov: Governor, deadline_s: float) -> None:

@@ -11,12 +11,11 @@ from adapters.driver import EngineDriver
 from governor.admission import Admission
 from governor.audit.counters import AuditCounters
 from governor.audit.entry import AuditLogError
-from governor.audit.log import AuditLog
 from governor.auth import Authenticator
 from governor.config import GovernorConfig, TenantConfig
 from governor.http.validation import bad_request
 from governor.metrics import GovernorMetrics
-from governor.secrets import TenantEpochs
+from governor.store.protocols import AuditSink, EpochStore, QuarantineStore
 from policies.priority import PriorityConfig, admission_rank, engine_priority
 from policies.salts import SaltKey, find_client_salts, strip_client_salts, tenant_salt
 from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence
@@ -31,7 +30,7 @@ class Governor:
     """
 
     def __init__(self, config: GovernorConfig, driver: EngineDriver, salt_key: SaltKey,
-                 epochs: TenantEpochs, audit: AuditLog) -> None:
+                 epochs: EpochStore, audit: AuditSink) -> None:
         self.config = config
         self.audit = audit
         self.driver = driver
@@ -43,6 +42,7 @@ class Governor:
                                    config.server.admission_wait_s)
         self.metrics = GovernorMetrics()
         self.audit_counters = AuditCounters(config.audit.summary_interval_s, audit.refusal)
+        self.quarantine_store: QuarantineStore | None = None  # shared records (postgres)
         self.draining = False
 
     def salt_for(self, tenant_id: str) -> str:
@@ -121,8 +121,9 @@ class Governor:
                               f"unchanged", type="server_error") from None
 
     def audit_problem(self) -> str | None:
-        """Why the audit log cannot take records now (None when it can), for `/ready`."""
-        return self.audit.problem()
+        """Why the audit log cannot take records now, or the epochs are not confirmed
+        (None when all is well), for `/ready`."""
+        return self.audit.problem() or self.epochs.problem()
 
     def audit_ready(self) -> bool:
         return self.audit_problem() is None

@@ -276,7 +276,17 @@ class QuarantineService:
         self._lock = asyncio.Lock()
 
     def get(self, quarantine_id: str) -> QuarantineRecord | None:
+        """A record this replica made and still keeps in memory."""
         return self._records.get(quarantine_id)
+
+    async def lookup(self, quarantine_id: str) -> dict[str, Any] | None:
+        """The record as JSON: from memory, else (postgres) from the shared store, so any
+        replica answers for any replica's quarantine."""
+        record = self.get(quarantine_id)
+        if record is not None:
+            return record.to_json()
+        store = self.gov.quarantine_store
+        return None if store is None else await store.get(quarantine_id)
 
     async def quarantine(self, request: QuarantineRequest,
                          actor: str = "admin-api") -> QuarantineRecord:
@@ -367,6 +377,9 @@ class QuarantineService:
                                   state, tuple(reasons), span_ref, request.start, evidence,
                                   record.index, started, _now_ms())
         self._keep(result)
+        if self.gov.quarantine_store is not None:
+            await self.gov.quarantine_store.put(result.id, result.tenant, result.audit_index,
+                                                result.to_json())
         return result
 
     def _keep(self, record: QuarantineRecord) -> None:
