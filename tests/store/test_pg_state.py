@@ -109,8 +109,9 @@ async def test_rotation_is_compare_and_set_and_confirmed_by_every_live_replica(
     assert confirmed.event.reasons == ("replicas_acked=2/2",)
     assert b.epochs.get("acme") == before + 1  # b acknowledged, so it already uses it
     # Concurrent rotations from both replicas: every one a distinct step, no lost update.
-    done = await asyncio.gather(*(s.epochs.rotate("acme", rotation_event(f"a{n}"), s.audit.append_async)
-                                  for n, s in enumerate((a, b) * 10)))
+    done = await asyncio.gather(*(
+        s.epochs.rotate("acme", rotation_event(f"a{n}"), s.audit.append_async)
+        for n, s in enumerate((a, b) * 10)))
     steps = sorted(r.event.evidence.new_epoch for r in done if r.event.evidence)
     assert steps == list(range(before + 2, before + 22))
     assert a.epochs.get("acme") == b.epochs.get("acme") == before + 21
