@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from governor.audit.log import AuditLogConfig, load_or_create_signing_key
 from governor.config import GovernorConfig
 from governor.secrets import StartupRefused
-from governor.store.connect import TRANSIENT, connect, dsn_from_env
+from governor.store.connect import TRANSIENT, connect, dsn_from_env, first_line
 from governor.store.migrations import migrate
 from governor.store.pg_audit import PgAuditLog
 from governor.store.pg_epochs import PgEpochs
@@ -76,5 +76,5 @@ def _migrate_when_up(dsn: str) -> list[int]:
         except TRANSIENT as exc:
             if time.monotonic() >= deadline:
                 raise StartupRefused(f"the state database is unreachable: "
-                                     f"{str(exc).strip()}") from exc
+                                     f"{first_line(exc)}") from exc
             time.sleep(0.5)

@@ -16,6 +16,12 @@ CONNECT_OPTIONS = {"connect_timeout": 3, "keepalives": 1, "keepalives_idle": 5,
 TRANSIENT = (psycopg.OperationalError, psycopg.InterfaceError)
 
 
+def first_line(exc: BaseException) -> str:
+    """libpq's messages run over several lines; logs and answers get the first."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def dsn_from_env(name: str) -> str:
     dsn = os.environ.get(name, "").strip()
     if not dsn:

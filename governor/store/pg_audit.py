@@ -55,7 +55,7 @@ from governor.audit.verify import (
     parse_checkpoints,
     verify_data,
 )
-from governor.store.connect import TRANSIENT, Backoff, connect
+from governor.store.connect import TRANSIENT, Backoff, connect, first_line
 from schemas.audit import AuditEvent, AuditRecord, SignedCheckpoint
 
 log = logging.getLogger("fak.store.audit")
@@ -314,10 +314,11 @@ class PgAuditLog:
         return self._conn
 
     def _went_down(self, exc: Exception) -> None:
+        self._down_reason = first_line(exc)
         if self._down_since is None:
             self._down_since = time.monotonic()
-            log.error("state database unreachable: %s; audit appends wait and retry", exc)
-        self._down_reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            log.error("state database unreachable: %s; audit appends wait and retry",
+                      self._down_reason)
         if self._conn is not None:
             self._conn.close()
         self._conn = None

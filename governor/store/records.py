@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from governor.store.connect import TRANSIENT, connect
+from governor.store.connect import TRANSIENT, connect, first_line
 from governor.store.pg_audit import PgAuditLog
 from schemas.engine import EngineError
 
@@ -47,7 +47,8 @@ class PgRecords:
                 except TRANSIENT as exc:
                     self._conn = None
                     if attempt == 2:
-                        raise EngineError(503, f"the state database is unreachable: {exc}",
+                        raise EngineError(503, f"the state database is unreachable: "
+                                               f"{first_line(exc)}",
                                           type="server_error") from None
         return None
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import psycopg
 
-from governor.store.connect import TRANSIENT, Backoff, connect
+from governor.store.connect import TRANSIENT, Backoff, connect, first_line
 
 log = logging.getLogger("fak.store.epochs")
 
@@ -130,7 +130,7 @@ class EpochWatcher:
                 if down_since is None:
                     down_since = time.monotonic()
                     log.error("cannot confirm tenant epochs: %s; requests fail closed after "
-                              "%.0f ms", str(exc).strip(), self.bound_s * 1000)
+                              "%.0f ms", first_line(exc), self.bound_s * 1000)
                 if conn is not None:
                     conn.close()
                 conn = None
