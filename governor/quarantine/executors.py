@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from adapters.vllm.dev_control import DevControlDisabledError, ResetOutcome, VLLMDevControl
 from adapters.vllm.kv_subscriber import KVEventSubscriber, SyncState, Watermark
+from schemas.audit import AuditState
 from schemas.engine import EngineCapabilities, EngineError, EngineRequest, Usage
 from schemas.kv_events import AllBlocksCleared
 
@@ -348,13 +349,17 @@ async def rotate_salt(gov: Any, tenant: str, actor: str, probe: Probe,
                   removal_ok=None, threshold=0)
     old_salt = gov.salt_for(tenant)
     await _control_if_readable(gov.driver, tenant, old_salt, probe, config, facts)
-    rotated = (await gov.rotate(tenant, actor=actor)).event.evidence
+    rotation = await gov.rotate(tenant, actor=actor)
+    rotated = rotation.event.evidence
     facts.old_epoch, facts.new_epoch = rotated.old_epoch, rotated.new_epoch
     new_salt = gov.salt_for(tenant)
     facts.engine_result, facts.engine_ok = "epoch_bumped", new_salt != old_salt
     # Nothing is removed: the old namespace is unreachable and its blocks age out.
     facts.removal = "namespace_replaced" if new_salt != old_salt else "salt_unchanged"
     facts.removal_ok = new_salt != old_salt
+    if rotation.event.state is AuditState.UNVERIFIED:  # a replica missed the epoch (postgres)
+        facts.removal, facts.removal_ok = "replicas_unconfirmed", None
+        facts.codes += [r for r in rotation.event.reasons if r.startswith("replica_missed=")]
     facts.codes.append("old_blocks_age_out")
     await after_probe(gov.driver, tenant, new_salt, probe, config.probe_timeout_s, facts)
     return facts
