@@ -32,7 +32,7 @@ import httpx
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from governor_overhead import (  # noqa: E402 - a sibling script
+from governor_overhead import (  # a sibling script, found through the path above
     free_port,
     governor_config,
     latency_rounds,

@@ -46,7 +46,8 @@ class PgEpochs:
     def problem(self) -> str | None:
         age = self.watcher.age_s()
         if age > self.watcher.bound_s:
-            return f"tenant epochs not confirmed for {_ms(age)}"
+            return (f"tenant epochs not confirmed for {_ms(age)} (bound "
+                    f"{_ms(self.watcher.bound_s)}): the state database is unreachable")
         return None
 
     async def rotate(self, tenant: str, event_for: Callable[[int, int], AuditEvent],
@@ -81,4 +82,4 @@ class PgEpochs:
 
 
 def _ms(seconds: float) -> str:
-    return "ever" if seconds == float("inf") else f"{seconds * 1000:.0f} ms"
+    return "since start-up" if seconds == float("inf") else f"{seconds * 1000:.0f} ms"
