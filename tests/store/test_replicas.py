@@ -1,5 +1,6 @@
 """Three `fak serve` replicas on one PostgreSQL (issue 15): a rotation on one is seen by the
-others within the staleness bound (checked by the salt the engine sees); the database
+others within the staleness bound (checked by the salt the engine sees); a quarantine made
+on one is readable from all; the database
 stopped for 5 s: requests succeed until the bound, then 503, then everything resumes with
 no record lost or written twice; 3 × 200 concurrent admin actions, one replica killed -9
 mid-way: one gap-free log that `fak audit verify` accepts, every acknowledged record in it."""
@@ -135,6 +136,23 @@ def test_rotation_on_one_replica_is_seen_by_the_others_within_the_bound(fleet: F
               f"{min(firsts) * 1000:+.0f} ms after the rotation was sent (rotation answered "
               f"after {(rotation['end'] - t0) * 1000:.0f} ms)")  # type: ignore[operator]
     assert epoch(r2, "acme") == epoch(r3, "acme") == old + 1
+
+
+def test_a_quarantine_on_one_replica_is_readable_from_every_replica(fleet: Fleet) -> None:
+    r1, r2, r3 = fleet.replicas
+    body = {"tenant": "beta", "span": {"text": fresh_prompt()}, "reason": "ticket-4711"}
+    answer = httpx.post(r1.url + "/admin/v1/quarantine", json=body, headers=ADMIN_HEADERS,
+                        timeout=120)
+    assert answer.status_code == 200, answer.text
+    record = answer.json()
+    assert record["plan"] == "salt_rotation"  # a ridden engine without dev mode
+    for replica in (r1, r2, r3):
+        shown = httpx.get(f"{replica.url}/admin/v1/quarantine/{record['id']}",
+                          headers=ADMIN_HEADERS)
+        assert shown.status_code == 200 and shown.json() == record
+    missing = httpx.get(f"{r2.url}/admin/v1/quarantine/q-none", headers=ADMIN_HEADERS)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "quarantine_id"
+    assert epoch(r3, "beta") == record["evidence"]["new_epoch"]
 
 
 def test_database_down_5s_fails_closed_after_the_bound_then_resumes(fleet: Fleet) -> None:
