@@ -2,7 +2,8 @@
 changes, a confirmation poll, the replica's heartbeat and its acknowledgements.
 
 The thread holds one autocommit connection that LISTENs on `fak_epochs` (a rotation's
-`tenant epoch`) and `fak_acks` (`replica tenant epoch`). Every `poll_s` (a quarter of the
+`tenant epoch`) and `fak_acks` (`replica tenant epoch`); a notification only says which
+tenant to re-read from the tables (anyone with a login may NOTIFY). Every `poll_s` (a quarter of the
 staleness bound) it runs one round of: heartbeat (upsert into `replicas`), read every tenant's
 epoch, read the live replicas and their acknowledged epochs. `confirmed_at` is the monotonic
 time that round was *sent*: the epochs it read are at least that fresh, so a replica that
@@ -155,28 +156,37 @@ class EpochWatcher:
         self.polls += 1
 
     def _listen(self, conn: psycopg.Connection, until: float) -> None:
-        """Take notifications until the next round is due; acknowledge after each burst."""
+        """Take notifications until the next round is due; after each burst, read what they
+        name from the tables and acknowledge."""
         while not self._stop.is_set() and (wait := until - time.monotonic()) > 0:
             burst = list(conn.notifies(timeout=wait, stop_after=1))
             if not burst:
                 return
             burst += conn.notifies(timeout=0.002)  # the rest of a group commit's batch
-            self._take((n.channel, n.payload) for n in burst)
+            self._refresh(conn, [(n.channel, n.payload) for n in burst])
             self._acknowledge(conn)
 
-    def _take(self, notes: Iterable[tuple[str, str]]) -> None:
+    def _refresh(self, conn: psycopg.Connection, notes: Iterable[tuple[str, str]]) -> None:
+        """A notification is only a wake-up (any database user may NOTIFY): the epochs and
+        acknowledgements it names are read from their tables, never from its payload."""
+        epochs, acks = set(), set()
         for channel, payload in notes:
             parts = payload.split(" ")
-            try:
-                if channel == "fak_epochs" and len(parts) == 2:
-                    self.apply(parts[0], int(parts[1]))
-                elif channel == "fak_acks" and len(parts) == 3:
-                    with self._lock:
-                        key, epoch = (parts[0], parts[1]), int(parts[2])
-                        if epoch > self._acks.get(key, -1):
-                            self._acks[key] = epoch
-            except ValueError:
-                log.warning("ignoring a malformed %s notification", channel)
+            if channel == "fak_epochs" and parts:
+                epochs.add(parts[0])
+            elif channel == "fak_acks" and len(parts) == 3:
+                acks.add(parts[1])
+        if epochs:
+            for tenant, epoch in conn.execute("SELECT tenant, epoch FROM tenant_epochs WHERE "
+                                              "tenant = ANY(%s)", (sorted(epochs),)):
+                self.apply(tenant, epoch)
+        if acks:
+            rows = conn.execute("SELECT replica, tenant, epoch FROM replica_epochs WHERE "
+                                "tenant = ANY(%s)", (sorted(acks),)).fetchall()
+            with self._lock:
+                for replica, tenant, epoch in rows:
+                    if epoch > self._acks.get((replica, tenant), -1):
+                        self._acks[(replica, tenant)] = epoch
 
     def _acknowledge(self, conn: psycopg.Connection) -> None:
         with self._lock:

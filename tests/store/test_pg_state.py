@@ -138,6 +138,21 @@ async def test_a_replica_that_misses_the_bound_is_named(replicas: list[SharedSta
     assert 0.3 <= waited < 1.5  # it waited the bound, no longer
 
 
+async def test_a_forged_notification_changes_nothing(replicas: list[SharedState],
+                                                     pg_dsn: str) -> None:
+    """Any database login may NOTIFY: a payload is only a wake-up, the tables decide."""
+    a, _ = replicas
+    before = a.epochs.get("acme")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_notify('fak_epochs', 'acme 99')")
+        conn.execute("SELECT pg_notify('fak_acks', 'r9 acme 99')")
+    await asyncio.sleep(0.3)
+    assert a.epochs.get("acme") == before
+    assert a.epochs.watcher.acked("r9", "acme") == -1
+    await a.epochs.rotate("acme", rotation_event("a"), a.audit.append_async)
+    assert a.epochs.get("acme") == before + 1
+
+
 async def test_quarantine_records_are_readable_from_every_replica(
         replicas: list[SharedState]) -> None:
     a, b = replicas
