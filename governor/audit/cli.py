@@ -35,7 +35,7 @@ def cmd_audit_verify(log: Path | str, anchor: Path | str | None = None) -> int:
     try:
         trusted = None if anchor is None else load_anchor(anchor)
         if is_dsn(str(log)):
-            from governor.store.pg_audit import verify_database
+            from governor.store.pg_log import verify_database
 
             report = _verify_dsn(verify_database, str(log), trusted)
         elif not Path(log).is_file():
@@ -94,7 +94,7 @@ def cmd_audit_checkpoint_dsn(dsn: str, signing_key: Path | str | None = None) ->
     one (stderr says how many records it does not cover)."""
     import psycopg
 
-    from governor.store.pg_audit import latest_stored_checkpoint, sign_database_checkpoint
+    from governor.store.pg_log import latest_stored_checkpoint, sign_database_checkpoint
 
     try:
         if signing_key is not None:

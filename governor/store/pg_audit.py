@@ -15,8 +15,8 @@ the writer first looks its ids up — a batch is committed all or nothing — an
 record twice. A caller is answered only after the commit: nothing acknowledged is lost,
 also when a replica is killed mid-append (its open transaction is rolled back).
 
-`verify_database` reads the whole log by DSN for `fak audit verify`; `open` verifies it too
-before the first append, as the file writer does.
+`open` verifies the whole log before the first append, as the file writer does
+(governor.store.pg_log, which `fak audit verify` uses by DSN too).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
@@ -47,15 +46,10 @@ from governor.audit.entry import (
     raw_public_key,
     sign_checkpoint,
 )
-from governor.audit.log import AuditLogConfig, load_or_create_signing_key
-from governor.audit.verify import (
-    AuditLogCorrupt,
-    VerifyReport,
-    _trusted_key,
-    parse_checkpoints,
-    verify_data,
-)
+from governor.audit.log import AuditLogConfig
+from governor.audit.verify import AuditLogCorrupt
 from governor.store.connect import TRANSIENT, Backoff, connect, first_line
+from governor.store.pg_log import Head, lock_head, store_head, verify_connection
 from schemas.audit import AuditEvent, AuditRecord, SignedCheckpoint
 
 log = logging.getLogger("fak.store.audit")
@@ -86,27 +80,6 @@ class Rotation:
 
     record: AuditRecord
     live: frozenset[str] | None
-
-
-@dataclass(slots=True)
-class _Head:
-    size: int
-    frontier: merkle.Frontier
-    cp_size: int
-    cp_time_ms: int
-
-
-def _lock_head(conn: psycopg.Connection) -> _Head:
-    row = conn.execute("SELECT size, frontier, cp_size, cp_time_ms FROM audit_head "
-                       "WHERE id = 1 FOR UPDATE").fetchone()
-    assert row is not None, "audit_head row missing (migrations not applied)"
-    return _Head(row[0], merkle.Frontier.from_hex(row[0], row[1]), row[2], row[3])
-
-
-def _store_head(conn: psycopg.Connection, head: _Head) -> None:
-    conn.execute("UPDATE audit_head SET size = %s, frontier = %s, cp_size = %s, "
-                 "cp_time_ms = %s WHERE id = 1",
-                 (head.frontier.size, head.frontier.to_hex(), head.cp_size, head.cp_time_ms))
 
 
 def _live_replicas(conn: psycopg.Connection, liveness_s: float) -> frozenset[str]:
@@ -367,7 +340,7 @@ class PgAuditLog:
 
     def _commit(self, conn: psycopg.Connection, ops: list[_Op]) -> list[Any]:
         with conn.transaction():
-            head = _lock_head(conn)
+            head = lock_head(conn)
             now = int(self._clock() * 1000)
             results: list[Any] = []
             rows = []
@@ -396,7 +369,7 @@ class PgAuditLog:
             cp = None
             if head.frontier.size - head.cp_size >= self.config.checkpoint_every_records:
                 cp = self._sign(conn, head, now)
-            _store_head(conn, head)
+            store_head(conn, head)
         self._size = max(self._size, head.frontier.size)
         self.batches += 1 if rows else 0
         self.records_written += len(rows)
@@ -404,7 +377,7 @@ class PgAuditLog:
             self._checkpointed(cp)
         return results
 
-    def _sign(self, conn: psycopg.Connection, head: _Head, now_ms: int) -> SignedCheckpoint:
+    def _sign(self, conn: psycopg.Connection, head: Head, now_ms: int) -> SignedCheckpoint:
         cp = sign_checkpoint(self._key, head.frontier.size, head.frontier.root(), now_ms)
         conn.execute("INSERT INTO audit_checkpoints (tree_size, line) VALUES (%s, %s)",
                      (cp.tree_size, canonical_json(asdict(cp))))
@@ -425,7 +398,7 @@ class PgAuditLog:
         """Sign a checkpoint `when` it is "due" by time (any replica may; the head lock
         makes the others see it is done), when records are "uncovered", or "always"."""
         with conn.transaction():
-            head = _lock_head(conn)
+            head = lock_head(conn)
             now = int(self._clock() * 1000)
             uncovered = head.frontier.size > head.cp_size
             due = {"always": True, "uncovered": uncovered,
@@ -434,7 +407,7 @@ class PgAuditLog:
             if not due:
                 return None
             cp = self._sign(conn, head, now)
-            _store_head(conn, head)
+            store_head(conn, head)
         self._size = max(self._size, cp.tree_size)
         self._checkpointed(cp)
         return cp
@@ -488,73 +461,3 @@ def _resolve(done: Future[T], action: Callable[[], T]) -> None:
 
 def _record_of(line: bytes) -> AuditRecord:
     return AuditRecord.from_dict(json.loads(line)["record"])
-
-
-# -- verification by DSN ---------------------------------------------------------------
-
-
-def verify_connection(conn: psycopg.Connection, anchor: SignedCheckpoint | None = None,
-                      public_key: str | None = None
-                      ) -> tuple[VerifyReport, list[SignedCheckpoint]]:
-    """Verify the database's log as `fak audit verify` does a file: every entry in index
-    order (a missing index is named), its checkpoints, against `audit_meta`'s key or the
-    anchor's. Also checks that the head agrees with the entries."""
-    with conn.transaction():
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        meta = conn.execute("SELECT public_key FROM audit_meta WHERE id = 1").fetchone()
-        lines = [bytes(r[0]) for r in conn.execute("SELECT line FROM audit_entries ORDER BY idx")]
-        cp_lines = [bytes(r[0]) for r in conn.execute(
-            "SELECT line FROM audit_checkpoints ORDER BY seq")]
-        head = conn.execute("SELECT size, frontier FROM audit_head WHERE id = 1").fetchone()
-    key, problems = _trusted_key(None if meta is None else meta[0], "audit_meta", anchor,
-                                 public_key)
-    checkpoints, cp_problems = parse_checkpoints(cp_lines)
-    data = b"".join(line + b"\n" for line in lines)
-    report, scan, _ = verify_data(data, checkpoints, key, anchor, problems + cp_problems)
-    if head is not None and report.ok and (
-            head[0] != scan.frontier.size or head[1] != scan.frontier.to_hex()):
-        report = _with_problem(report, f"audit_head says {head[0]} records with another "
-                                       f"frontier; the entries hold {scan.frontier.size}")
-    return report, checkpoints
-
-
-def _with_problem(report: VerifyReport, problem: str) -> VerifyReport:
-    fields = asdict(report)
-    fields.update(ok=False, problems=(*report.problems, problem))
-    return VerifyReport(**fields)
-
-
-def verify_database(dsn: str, anchor: SignedCheckpoint | None = None) -> VerifyReport:
-    with connect(dsn, autocommit=True) as conn:
-        return verify_connection(conn, anchor)[0]
-
-
-def latest_stored_checkpoint(dsn: str) -> tuple[SignedCheckpoint | None, int]:
-    """The newest checkpoint in the database and the log's size."""
-    with connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT line FROM audit_checkpoints ORDER BY seq DESC "
-                           "LIMIT 1").fetchone()
-        size = conn.execute("SELECT size FROM audit_head WHERE id = 1").fetchone()
-    cp = None if row is None else SignedCheckpoint.from_dict(json.loads(bytes(row[0])))
-    return cp, 0 if size is None else size[0]
-
-
-def sign_database_checkpoint(dsn: str, key_path: Path) -> SignedCheckpoint:
-    """Sign a checkpoint of the whole shared log now (the key must be the deployment's)."""
-    key = load_or_create_signing_key(key_path) if key_path.is_file() else None
-    if key is None:
-        raise AuditLogError(f"no signing key at {key_path}")
-    with connect(dsn, autocommit=True) as conn:
-        meta = conn.execute("SELECT public_key FROM audit_meta WHERE id = 1").fetchone()
-        if meta is None or meta[0] != raw_public_key(key.public_key()).hex():
-            raise AuditLogError(f"{key_path} is not the deployment's audit signing key")
-        with conn.transaction():
-            head = _lock_head(conn)
-            cp = sign_checkpoint(key, head.frontier.size, head.frontier.root(),
-                                 int(time.time() * 1000))
-            conn.execute("INSERT INTO audit_checkpoints (tree_size, line) VALUES (%s, %s)",
-                         (cp.tree_size, canonical_json(asdict(cp))))
-            head.cp_size, head.cp_time_ms = cp.tree_size, cp.timestamp_ms
-            _store_head(conn, head)
-    return cp
-

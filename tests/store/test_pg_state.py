@@ -21,8 +21,8 @@ from governor.secrets import StartupRefused
 from governor.serve import audit_log_config
 from governor.store.backend import SharedState, open_shared_state
 from governor.store.migrations import migrate
-from governor.store.pg_audit import verify_database
 from governor.store.pg_epochs import EpochsStale
+from governor.store.pg_log import verify_database
 from policies.salts import SaltKey
 from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence
 

@@ -293,6 +293,6 @@ def assert_log_intact(dsn: str, acknowledged: list[dict[str, object]]) -> None:
         steps = [r.event.evidence.new_epoch for r in rotates  # type: ignore[union-attr]
                  if r.event.tenant == tenant]
         assert steps == list(range(steps[0], steps[0] + len(steps)))  # CAS: no lost step
-    from governor.store.pg_audit import verify_database
+    from governor.store.pg_log import verify_database
 
     assert verify_database(dsn).ok
