@@ -37,6 +37,7 @@ def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.St
             request_id = f"fak-{uuid.uuid4().hex}"
             if find_client_salt_headers(request.headers.keys()):
                 gov.metrics.client_salt_headers.labels(tenant.id).inc()
+                gov.audit_counters.note(tenant.id, "client_header_dropped")
             if len(raw) < OFF_LOOP_BYTES:
                 prepared = gov.prepare_raw(tenant, route, raw, request_id)
             else:  # parsing a large body must not stall every other request
@@ -80,6 +81,9 @@ async def handle_ready(request: web.Request) -> web.Response:
         reasons.append("draining")
     if not await gov.driver.ready():
         reasons.append("engine_not_ready")
+    problem = gov.audit_problem()
+    if problem is not None:
+        reasons.append(f"audit: {problem}")
     body: dict[str, object] = {"ready": not reasons}
     if reasons:
         body["reasons"] = reasons

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from adapters.driver import CacheControl
-from schemas.audit import AuditRecord
+from schemas.audit import AuditRecord, AuditState
 from schemas.cache_control import (
     CacheControlUnsupported,
     KVMark,
@@ -101,7 +101,7 @@ class Rotator(Protocol):
 
     def salt_for(self, tenant_id: str) -> str: ...
 
-    def rotate(self, tenant_id: str, actor: str) -> AuditRecord: ...
+    async def rotate(self, tenant_id: str, actor: str) -> AuditRecord: ...
 
 
 # --- probes -------------------------------------------------------------------------------
@@ -277,7 +277,8 @@ async def rotate_salt(gov: Rotator, control: CacheControl, caps: EngineCapabilit
                   removal_ok=None, threshold=0)
     old_salt = gov.salt_for(tenant)
     await positive_control(control, caps, tenant, old_salt, probe, 0, config, facts)
-    rotated = gov.rotate(tenant, actor=actor).event.evidence
+    rotation = await gov.rotate(tenant, actor=actor)
+    rotated = rotation.event.evidence
     assert rotated is not None
     facts.old_epoch, facts.new_epoch = rotated.old_epoch, rotated.new_epoch
     new_salt = gov.salt_for(tenant)
@@ -285,6 +286,9 @@ async def rotate_salt(gov: Rotator, control: CacheControl, caps: EngineCapabilit
     # Nothing is removed: the old namespace is unreachable and its blocks age out.
     facts.removal = "namespace_replaced" if new_salt != old_salt else "salt_unchanged"
     facts.removal_ok = new_salt != old_salt
+    if rotation.event.state is AuditState.UNVERIFIED:  # a replica missed the epoch (postgres)
+        facts.removal, facts.removal_ok = "replicas_unconfirmed", None
+        facts.codes += [r for r in rotation.event.reasons if r.startswith("replica_missed=")]
     facts.codes.append("old_blocks_age_out")
     await after_probe(control, tenant, new_salt, probe, config, facts)
     return facts

@@ -270,7 +270,17 @@ class QuarantineService:
         self._lock = asyncio.Lock()
 
     def get(self, quarantine_id: str) -> QuarantineRecord | None:
+        """A record this replica made and still keeps in memory."""
         return self._records.get(quarantine_id)
+
+    async def lookup(self, quarantine_id: str) -> dict[str, Any] | None:
+        """The record as JSON: from memory, else (postgres) from the shared store, so any
+        replica answers for any replica's quarantine."""
+        record = self.get(quarantine_id)
+        if record is not None:
+            return record.to_json()
+        store = self.gov.quarantine_store
+        return None if store is None else await store.get(quarantine_id)
 
     async def quarantine(self, request: QuarantineRequest,
                          actor: str = "admin-api") -> QuarantineRecord:
@@ -288,7 +298,7 @@ class QuarantineService:
             plan = plan_quarantine(QuarantineSpan(request.tenant, length),
                                    self.gov.driver.capabilities, request.require_exact)
             facts = await self._execute(plan, request, actor)
-            return self._commit(request, plan, facts, actor, started)
+            return await self._commit(request, plan, facts, actor, started)
 
     async def _execute(self, plan: QuarantinePlan, request: QuarantineRequest,
                        actor: str) -> Facts | None:
@@ -316,8 +326,8 @@ class QuarantineService:
                          engine_ok=False, removal="not_checked", removal_ok=None,
                          threshold=request.start)
 
-    def _commit(self, request: QuarantineRequest, plan: QuarantinePlan, facts: Facts | None,
-                actor: str, started: int) -> QuarantineRecord:
+    async def _commit(self, request: QuarantineRequest, plan: QuarantinePlan,
+                      facts: Facts | None, actor: str, started: int) -> QuarantineRecord:
         quarantine_id = f"q-{uuid.uuid4().hex}"
         length = span_length(request.span, facts)
         span_ref = SpanRef(span_digest(self.gov.salt_key, request.tenant, request.span.form,
@@ -334,7 +344,7 @@ class QuarantineService:
             state, deciding = verdict(facts)
             reasons += [*facts.codes, *deciding]
             evidence = _evidence(facts)
-        record = self.gov.record(AuditEvent(
+        record = await self.gov.record(AuditEvent(
             kind="quarantine", actor=actor, state=state, tenant=request.tenant,
             plan=plan.kind.value, reasons=tuple(reasons), span=span_ref, evidence=evidence,
             request_id=quarantine_id))
@@ -342,6 +352,9 @@ class QuarantineService:
                                   state, tuple(reasons), span_ref, request.start, evidence,
                                   record.index, started, _now_ms())
         self._keep(result)
+        if self.gov.quarantine_store is not None:
+            await self.gov.quarantine_store.put(result.id, result.tenant, result.audit_index,
+                                                result.to_json())
         return result
 
     def _keep(self, record: QuarantineRecord) -> None:
