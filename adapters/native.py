@@ -6,11 +6,13 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from native_engine.async_engine import AsyncLLMEngine
+from adapters.native_cache import NativeCacheControl
+from native_engine.async_engine import AsyncLLMEngine, EngineState, Liveness, SupervisorConfig
 from native_engine.config import EngineConfig
 from native_engine.engine import EngineStats, LLMEngine
+from native_engine.kvcache.events import KVEventRecorder, MemoryEventPublisher
 from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
 from schemas.engine import (
     Determinism,
@@ -18,8 +20,10 @@ from schemas.engine import (
     EngineError,
     EngineRequest,
     StreamChunk,
-    Usage,
 )
+
+if TYPE_CHECKING:
+    from native_engine.model.loaded import LoadedModel
 
 SERVED_MODEL_NAME = "smollm2"
 
@@ -29,6 +33,7 @@ class NativeDriverConfig:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(
         num_blocks=2048, max_model_len=2048, scheduling_policy="priority"))
     served_model_name: str = SERVED_MODEL_NAME
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     @classmethod
     def from_section(cls, section: Any) -> NativeDriverConfig:
@@ -47,21 +52,19 @@ class NativeDriverConfig:
         return cls(engine=engine)
 
 
-def usage_of(data: dict[str, Any]) -> Usage | None:
-    usage = data.get("usage")
-    if not usage:
-        return None
-    details = usage.get("prompt_tokens_details") or {}
-    return Usage(usage["prompt_tokens"], usage["completion_tokens"], details.get("cached_tokens"))
-
-
 class NativeDriver:
-    """Runs the native engine in this process; capabilities are what it implements."""
+    """Runs the native engine in this process; capabilities are what it implements. Its
+    KV events go to memory (`events`), where the cache control reads its evidence."""
 
     def __init__(self, config: NativeDriverConfig | None = None,
-                 engine: LLMEngine | None = None) -> None:
+                 engine: LLMEngine | None = None, loaded: LoadedModel | None = None) -> None:
+        """`engine`: run this one (its KV events are not ours to read); else build one from
+        the config, over `loaded` when given (an already loaded model)."""
         self.config = config or NativeDriverConfig()
         self._engine = engine
+        self._loaded = loaded
+        self.events = MemoryEventPublisher()
+        self.cache_control = NativeCacheControl(self, self.events)
         self.engine: AsyncLLMEngine | None = None
         self.serving: OpenAIServing | None = None
         self._last_stats: EngineStats | None = None
@@ -69,14 +72,15 @@ class NativeDriver:
             engine_kind="native", model_id=self.config.served_model_name,
             max_model_len=self.config.engine.model_len, block_size=self.config.engine.block_size,
             cache_salt=True, priority_scheduling=True, exact_span_evict=True,
-            prefix_reset=True, cached_tokens_in_usage=True,
+            prefix_reset=True, cached_tokens_in_usage=True, kv_events=engine is None,
             determinism=Determinism.UNAVAILABLE,
         )
 
     async def start(self) -> None:
-        engine = self._engine or await asyncio.to_thread(LLMEngine.from_config,
-                                                         self.config.engine)
-        self.engine = AsyncLLMEngine(engine)
+        engine = self._engine or await asyncio.to_thread(
+            LLMEngine.from_config, self.config.engine, KVEventRecorder(self.events),
+            self._loaded)
+        self.engine = AsyncLLMEngine(engine, self.config.supervisor)
         await self.engine.start()
         runner = engine.runner
         self.serving = OpenAIServing(
@@ -96,27 +100,32 @@ class NativeDriver:
             await self.engine.call(lambda e: e.retire_namespace(namespace))
 
     def _serving(self) -> OpenAIServing:
-        if self.serving is None or self.engine is None or not self.engine.is_alive:
+        if self.serving is None or self.engine is None or self.engine.liveness().state not in (
+                EngineState.ALIVE, EngineState.RESTARTING):  # a restarting engine queues
             raise EngineError(503, "the native engine is not running",
                               type="ServiceUnavailableError")
         return self.serving
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+        """The typed body straight to the serving layer: no second validation, the salt
+        and priority as values."""
         serving = self._serving()
-        body = dict(request.body)
-        body.pop("cache_salt", None)
-        if request.cache_salt is not None:
-            body["cache_salt"] = request.cache_salt
-        body["priority"] = request.priority or 0
-        async for data in serving.run(request.route, body,
-                                      request.request_id or uuid.uuid4().hex):
-            if data is None:
-                yield StreamChunk(None, done=True)
-            else:
-                yield StreamChunk(data, usage=usage_of(data))
+        prepared = await serving.prepare_off_loop(request.route, request.body,
+                                                  request.cache_salt, request.priority or 0)
+        async for chunk in serving.generate(prepared, request.request_id or uuid.uuid4().hex):
+            yield chunk
 
     async def ready(self) -> bool:
+        return await self.alive()
+
+    async def alive(self) -> bool:
+        """The engine loop runs (not restarting, dead or closed), as `fak engine serve`'s
+        /health reports it."""
         return self.engine is not None and self.engine.is_alive
+
+    def liveness(self) -> Liveness | None:
+        """The engine's state, restart count and last crash reason (None before start)."""
+        return None if self.engine is None else self.engine.liveness()
 
     async def models(self) -> dict[str, Any]:
         return self._serving().models(self.config.engine.model or "embedded:SmolLM2-135M")

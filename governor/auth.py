@@ -32,7 +32,7 @@ class Authenticator:
         token = bearer_token(header)
         if token is None:
             return None
-        presented = hashlib.sha256(token.encode()).digest()
+        presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
         found = None
         for digest, tenant in self._entries:
             if hmac.compare_digest(presented, digest):
@@ -43,4 +43,5 @@ class Authenticator:
         token = bearer_token(header)
         if token is None or self._admin is None:
             return False
-        return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self._admin)
+        presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        return hmac.compare_digest(presented, self._admin)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +18,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--metrics-port", type=int, help="the private /metrics listener "
+                   "(default: port + 1; 0: any free port)")
     p.add_argument("--data-dir")
     p.add_argument("--init-key", action="store_true",
                    help="create the salt key in data_dir if it is missing")
@@ -26,10 +29,18 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     audit = sub.add_parser("audit", help="verify the audit log, export signed checkpoints")
     asub = audit.add_subparsers(dest="audit_command", required=True, metavar="ACTION")
     verify = asub.add_parser("verify", help="verify LOG end to end; name the first bad index")
-    verify.add_argument("log")
-    verify.add_argument("--anchor", help="a signed checkpoint kept elsewhere (JSON file)")
+    verify.add_argument("log", nargs="?", help="the log file, or a postgresql:// DSN (prefer "
+                        "--dsn-env: a DSN on the command line is visible to other users)")
+    verify.add_argument("--dsn-env", metavar="VAR", help="verify the shared log in the "
+                        "PostgreSQL database whose DSN is in $VAR")
+    verify.add_argument("--anchor", help="a signed checkpoint kept elsewhere (JSON file), or "
+                        "an anchor_dir (its latest export is used)")
     checkpoint = asub.add_parser("checkpoint", help="print the latest signed checkpoint")
     checkpoint.add_argument("--data-dir", default="./fak-data")
+    checkpoint.add_argument("--signing-key", help="the log's signing key, when [audit] "
+                            "signing_key_path keeps it outside the data dir")
+    checkpoint.add_argument("--dsn-env", metavar="VAR", help="the shared log in the "
+                            "PostgreSQL database whose DSN is in $VAR")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -72,6 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dsn_arg(var: str | None) -> str | None:
+    if var is None:
+        return None
+    dsn = os.environ.get(var, "").strip()
+    if not dsn:
+        raise ConfigError(f"${var} holds no DSN")
+    return dsn
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from governor.audit.cli import (
+        cmd_audit_checkpoint,
+        cmd_audit_checkpoint_dsn,
+        cmd_audit_verify,
+    )
+
+    dsn = _dsn_arg(args.dsn_env)
+    if args.audit_command == "verify":
+        if (args.log is None) == (dsn is None):
+            raise ConfigError("fak audit verify takes a LOG (or DSN) or --dsn-env, one of them")
+        return cmd_audit_verify(str(args.log or dsn), args.anchor)
+    if dsn is not None:
+        return cmd_audit_checkpoint_dsn(dsn, args.signing_key)
+    return cmd_audit_checkpoint(args.data_dir, args.signing_key)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["engine", "serve"]:
@@ -84,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from governor.serve import cmd_serve
 
-            return cmd_serve(args.config, args.host, args.port, args.data_dir, args.init_key)
+            return cmd_serve(args.config, args.host, args.port, args.data_dir, args.init_key,
+                             args.metrics_port)
         if args.command == "generate":
             from native_engine.generate_cli import cmd_generate
 
@@ -103,11 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return cmd_tenants(args)
         if args.command == "audit":
-            from governor.audit.cli import cmd_audit_checkpoint, cmd_audit_verify
-
-            if args.audit_command == "verify":
-                return cmd_audit_verify(args.log, args.anchor)
-            return cmd_audit_checkpoint(args.data_dir)
+            return _audit(args)
     except (ConfigError, StartupRefused) as exc:
         print(f"fak: {exc}", file=sys.stderr)
         return 2

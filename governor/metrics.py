@@ -46,14 +46,27 @@ class GovernorMetrics:
                                   "engine, by reason.", ["tenant", "reason"], registry=r)
         self.client_salts = Counter("fak_client_cache_salt", "Client-supplied salts seen.",
                                     ["tenant", "action"], registry=r)
+        self.client_salt_headers = Counter(
+            "fak_client_salt_headers", "Requests carrying a namespace-picking header (dropped).",
+            ["tenant"], registry=r)
+        self.connections_refused = Counter(
+            "fak_connections_refused", "Connections closed by the listener, by reason.",
+            ["reason"], registry=r)
+        self.serving_scrape_ok = Gauge(
+            "fak_serving_scrape_ok", "1 when the last engine metrics scrape succeeded.",
+            registry=r)
         self.in_flight = Gauge("fak_in_flight_requests", "Requests holding an engine slot.",
                                registry=r)
         self.queued = Gauge("fak_queued_requests", "Requests waiting for admission.", registry=r)
         self.serving = ServingCollector()
         r.register(self.serving)
 
-    def set_serving(self, values: Mapping[str, float | int | None]) -> None:
-        self.serving.snapshot = {k: float(v) for k, v in values.items() if v is not None}
+    def set_serving(self, values: Mapping[str, float | int | None] | None) -> None:
+        """The engine's last window; None (a failed scrape) drops it rather than show stale
+        values as current."""
+        self.serving_scrape_ok.set(0 if values is None else 1)
+        self.serving.snapshot = {k: float(v) for k, v in (values or {}).items()
+                                 if v is not None}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import signal
+import time
 from dataclasses import replace
 from pathlib import Path
-
-from aiohttp import web
+from typing import Any
 
 from adapters.driver import EngineDriver
 from governor.audit.log import AuditLog, AuditLogConfig
@@ -23,12 +24,13 @@ from governor.config import (
     load_config,
     parse_config,
 )
-from governor.http.app import build_app
+from governor.http.server import GovernorServer
 from governor.secrets import StartupRefused, TenantEpochs, load_salt_key
 from governor.state import Governor
 from policies.salts import SaltKey, SaltKeyError
 
 log = logging.getLogger("fak.serve")
+SHUTDOWN_WAIT_S = 10.0  # for the audit's last writes when the state database is away
 
 
 def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
@@ -76,7 +78,23 @@ def build_vllm_driver(section: EngineSection) -> EngineDriver:
     if declare.prefix_reset:
         dev = VLLMDevControl(DevControlConfig(section.base_url, enabled=True),
                              lambda call: log.warning("dev-mode control call: %s", call))
-    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev)
+    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev,
+                      fak_control=fak_control_client(section))
+
+
+def fak_control_client(section: EngineSection) -> Any:
+    """The cache-control client of `fak engine serve`, when its token is configured."""
+    from adapters.vllm.fak_control import FakCacheControlClient, FakControlConfig
+
+    if section.cache_control_token_env is None:
+        return None
+    token = os.environ.get(section.cache_control_token_env, "")
+    if not token:
+        raise StartupRefused(f"[engine] cache_control_token_env names "
+                             f"${section.cache_control_token_env}, which is not set")
+    assert section.base_url is not None
+    return FakCacheControlClient(FakControlConfig(section.base_url, token),
+                                 lambda call: log.warning("cache-control call: %s", call))
 
 
 def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:
@@ -86,17 +104,32 @@ def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: boo
         key = SaltKey(load_salt_key(data_dir, create=create_key))
     except SaltKeyError as exc:
         raise StartupRefused(str(exc)) from exc
-    audit = AuditLog.open(AuditLogConfig(data_dir))
-    return Governor(config, driver, key, TenantEpochs(data_dir), audit)
+    if config.state.backend == "postgres":
+        from governor.store.backend import open_shared_state
+
+        shared = open_shared_state(config, audit_log_config(config), key)
+        gov = Governor(config, driver, key, shared.epochs, shared.audit)
+        gov.quarantine_store = shared.records
+        return gov
+    audit = AuditLog.open(audit_log_config(config))
+    return Governor(config, driver, key, TenantEpochs(data_dir, audit.epochs_at_open), audit)
+
+
+def audit_log_config(config: GovernorConfig) -> AuditLogConfig:
+    section = config.audit
+    return AuditLogConfig(config.server.data_dir,
+                          checkpoint_every_records=section.checkpoint_every_records,
+                          checkpoint_every_seconds=section.checkpoint_every_seconds,
+                          signing_key_path=section.signing_key_path,
+                          anchor_dir=section.anchor_dir, min_free_bytes=section.min_free_bytes)
 
 
 async def run_governor(gov: Governor, server: ServerConfig) -> None:
     await gov.driver.start()
-    runner = web.AppRunner(build_app(gov), handler_cancellation=True,
-                           shutdown_timeout=server.drain_timeout_s)
-    await runner.setup()
-    await web.TCPSite(runner, server.host, server.port).start()
-    print(f"fak: serving on http://{server.host}:{server.port}", flush=True)
+    listeners = GovernorServer(gov)
+    await listeners.start(server.host, server.port, server.metrics_host,
+                          server.metrics_listen_port)
+    print(f"fak: serving on {listeners.url} (metrics on {listeners.metrics_url})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -108,16 +141,44 @@ async def run_governor(gov: Governor, server: ServerConfig) -> None:
         gov.draining = True
         await drain(gov, server.drain_timeout_s)
         checkpoints.cancel()
-        await runner.cleanup()
+        await listeners.stop()
         await gov.driver.close()
-        gov.audit.close()
+        await close_audit(gov)
 
 
 async def checkpoint_loop(gov: Governor, every_s: float = 1.0) -> None:
-    """Sign a checkpoint when the audit log's record or time threshold is reached."""
+    """Every `every_s`: write the client-event summaries due, sign a checkpoint when the
+    record or time threshold is reached, retry a failed anchor export. An error is logged
+    (once per distinct message, then every minute) and retried on the next tick: the loop
+    only ends when cancelled."""
+    last_message, last_logged = "", 0.0
     while True:
         await asyncio.sleep(every_s)
-        gov.audit.maybe_checkpoint()
+        try:
+            await gov.flush_audit_summaries()
+            await gov.audit.maintain_async()
+        except Exception as exc:
+            now = time.monotonic()
+            if str(exc) != last_message or now - last_logged >= 60:
+                log.error("audit checkpoint loop: %s (retrying every %.1f s)", exc, every_s)
+                last_message, last_logged = str(exc), now
+        else:
+            if last_message:
+                log.warning("audit checkpoint loop recovered")
+                last_message = ""
+
+
+async def close_audit(gov: Governor) -> None:
+    """Write every pending summary, close the log (its final checkpoint), then leave the
+    replica registry (postgres)."""
+    try:
+        await asyncio.wait_for(gov.flush_audit_summaries(force=True), SHUTDOWN_WAIT_S)
+    except Exception as exc:
+        log.error("audit summaries not written at shutdown: %s", exc)
+    await asyncio.to_thread(gov.audit.close)
+    await asyncio.to_thread(gov.epochs.close)
+    if gov.quarantine_store is not None:
+        gov.quarantine_store.close()
 
 
 async def drain(gov: Governor, deadline_s: float) -> None:
@@ -129,7 +190,8 @@ async def drain(gov: Governor, deadline_s: float) -> None:
 
 
 def cmd_serve(config_path: str | None, host: str | None, port: int | None,
-              data_dir: str | None, init_key: bool = False) -> int:
+              data_dir: str | None, init_key: bool = False,
+              metrics_port: int | None = None) -> int:
     """With a config the salt key must exist unless `init_key`; the dev setup makes one."""
     if config_path:
         config, create_key, banner = load_config(Path(config_path)), init_key, None
@@ -138,8 +200,8 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
         create_key = True
         banner = (f"fak dev setup: tenant 'dev' API key: {api_key}\n"
                   f"fak dev setup: admin token: {admin_token}")
-    server = replace(config.server, **{k: v for k, v in
-                                       {"host": host, "port": port}.items() if v is not None})
+    given = {"host": host, "port": port, "metrics_port": metrics_port}
+    server = replace(config.server, **{k: v for k, v in given.items() if v is not None})
     if data_dir and config_path:
         server = replace(server, data_dir=Path(data_dir))
     config = replace(config, server=server)

@@ -6,11 +6,19 @@ request and stays in `token_ids` but not in the text; a stop string ends it and 
 the text; `max_tokens` or `max_model_len` ends it with reason "length". While a request runs,
 its text delta holds back the last (longest stop string - 1) characters and any incomplete
 UTF-8 sequence, so no emitted text is ever retracted.
+
+Failures stay with the requests they hit (docs/design.md §6): an exception while sampling,
+detokenising or stop-checking one request finishes that request with status FINISHED_ERROR
+and the exception on its last output; a failed forward (or slot copy) does the same to every
+request of that step. Either way their blocks and cache locks are released and nothing they
+computed is cached. An exception from the scheduler itself leaves its state unknown: it
+escapes `step()`, and the caller `rebuild()`s the engine state around the same runner.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,11 +32,13 @@ from native_engine.kvcache.radix_cache import CacheEventListener, RadixCache
 from native_engine.kvcache.tier_types import SpanRemoval, TierRemoval, TierStats
 from native_engine.request import Request, RequestStatus, SamplingParams
 from native_engine.sampler import Sample, sample
-from native_engine.scheduler import Scheduler, SchedulerOutput
+from native_engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from native_engine.tiering import build_tiers
 
 if TYPE_CHECKING:
     from native_engine.model.loaded import LoadedModel
+
+log = logging.getLogger("fak.engine")
 
 
 class Runner(Protocol):
@@ -48,7 +58,8 @@ class Detokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request; `error` is set (and `finished`, with reason
+    "error") when serving it failed."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -60,6 +71,7 @@ class RequestOutput:
     cached_tokens: int
     stop_reason: str | int | None = None
     logprobs: tuple[Sample, ...] = ()
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +113,9 @@ class LLMEngine:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.pool = BlockPool(config.num_blocks, config.block_size)
         self.listener = listener
         self.tiers = build_tiers(config, runner, listener)
-        self.cache = (RadixCache(self.pool, listener, demoter=self.tiers)
-                      if config.enable_prefix_caching else None)
-        self.scheduler = Scheduler(config, self.pool, self.cache, self.tiers)
-        self.requests: dict[str, Request] = {}
+        self._build_state(SchedulerStats())
         self.eos_token_ids = frozenset(tokenizer.stop_token_ids if tokenizer else ())
         model_config = getattr(runner, "model_config", None)
         self.vocab_size: int | None = getattr(model_config, "vocab_size", None)
@@ -118,6 +126,28 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = 0
+
+    def _build_state(self, stats: SchedulerStats) -> None:
+        self.pool = BlockPool(self.config.num_blocks, self.config.block_size)
+        self.cache = (RadixCache(self.pool, self.listener, demoter=self.tiers)
+                      if self.config.enable_prefix_caching else None)
+        self.scheduler = Scheduler(self.config, self.pool, self.cache, self.tiers)
+        self.scheduler.stats = stats
+        self.requests: dict[str, Request] = {}
+
+    def rebuild(self) -> list[str]:
+        """Fresh pool, prefix cache and scheduler around the same runner, after a failure
+        that may have left them inconsistent. Every unfinished request is dropped (their ids
+        are returned); counters carry on; the KV tiers are emptied; KV-event subscribers
+        hear the cache was cleared."""
+        dropped = list(self.requests)
+        self._build_state(self.scheduler.stats)
+        if self.tiers is not None:  # "cleared" covers every medium: the tiers go too
+            self.tiers.clear()
+        if self.listener is not None:
+            self.listener.on_cleared()
+            self._flush_events()
+        return dropped
 
     @classmethod
     def from_config(
@@ -200,26 +230,74 @@ class LLMEngine:
                 raise RuntimeError("no request can be scheduled although the pool is idle")
             return []
         self._steps += 1
+        # A request samples once all its tokens have KV; a partial prefill chunk samples nothing.
+        rows = [
+            i for i, (r, n) in enumerate(plan.scheduled)
+            if r.num_computed_tokens + n == r.num_tokens
+        ]
+        try:
+            logits = self._forward(plan)[rows]
+        except Exception as exc:
+            return self._fail_step(plan, exc)
+        self.scheduler.advance(plan)
+        if not rows:
+            return []
+        reqs = [plan.scheduled[i][0] for i in rows]
+        samples = self._sample(reqs, logits)
+        return [self._fail(r, s) if isinstance(s, Exception) else self._append_or_fail(r, s)
+                for r, s in zip(reqs, samples, strict=True)]
+
+    def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
         if plan.copy_src:
             self.runner.copy_slots(
                 torch.tensor(plan.copy_src, dtype=torch.int64),
                 torch.tensor(plan.copy_dst, dtype=torch.int64),
             )
-        logits = self.runner.execute(self._build_batch(plan))
-        self.scheduler.advance(plan)
-        # A request samples once all its tokens have KV; a partial prefill chunk samples nothing.
-        rows = [
-            i for i, (r, _) in enumerate(plan.scheduled) if r.num_computed_tokens == r.num_tokens
-        ]
-        if not rows:
-            return []
-        reqs = [plan.scheduled[i][0] for i in rows]
-        samples = sample(
-            logits[rows],
-            [r.params for r in reqs],
-            [r.generator or self.default_generator for r in reqs],
-        )
-        return [self._append(r, s) for r, s in zip(reqs, samples, strict=True)]
+        return self.runner.execute(self._build_batch(plan))
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[Sample | Exception]:
+        """The batch's samples; if the batch raises, row by row, so a failure stays with its
+        request (a seeded generator then draws twice for that step)."""
+        params = [r.params for r in reqs]
+        generators = [r.generator or self.default_generator for r in reqs]
+        try:
+            return list(sample(logits, params, generators))
+        except Exception:
+            log.warning("batched sampling failed; sampling the %d rows one by one", len(reqs))
+        samples: list[Sample | Exception] = []
+        for i in range(len(reqs)):
+            try:
+                samples.append(sample(logits[i : i + 1], params[i : i + 1],
+                                      generators[i : i + 1])[0])
+            except Exception as exc:
+                samples.append(exc)
+        return samples
+
+    def _append_or_fail(self, req: Request, s: Sample) -> RequestOutput:
+        try:
+            return self._append(req, s)
+        except Exception as exc:
+            return self._fail(req, exc)
+
+    def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The forward failed: every request of this step ends with the error."""
+        log.error("engine step failed; its %d requests end with an error: %s",
+                  len(plan.scheduled), ", ".join(r.request_id for r, _ in plan.scheduled),
+                  exc_info=exc)
+        return [self._finish_failed(req, exc) for req, _ in plan.scheduled]
+
+    def _fail(self, req: Request, exc: Exception) -> RequestOutput:
+        log.error("request %s failed; it ends with an error", req.request_id, exc_info=exc)
+        return self._finish_failed(req, exc)
+
+    def _finish_failed(self, req: Request, exc: Exception) -> RequestOutput:
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, cache=False)
+        self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=(), text_delta="", finished=True,
+            finish_reason=req.status.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens, cached_tokens=req.num_cached_tokens,
+            error=exc)
 
     def _build_batch(self, plan: SchedulerOutput) -> Any:
         from native_engine.model.runner import RunnerBatch

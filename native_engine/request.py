@@ -18,6 +18,11 @@ import torch
 from schemas.values import is_int
 
 MAX_LOGPROBS = 20
+# vLLM 0.32 (vllm/sampling_params.py): below SAMPLING_EPS sampling is greedy, and a positive
+# temperature under MIN_TEMPERATURE (vLLM's _MAX_TEMP) is raised to it.
+SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's bounds on `seed`
 
 
 class RequestStatus(enum.Enum):
@@ -27,6 +32,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -38,16 +44,31 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter the engine cannot honour; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """What to generate. Validated (and sequences normalised to tuples) once, at construction.
+    """What to generate. Validated (and sequences normalised to tuples) once, at construction:
+    every accepted value is one the sampler honours without failing; anything else raises
+    SamplingParamError naming the field.
 
-    temperature 0 means greedy; top_k 0 or -1 and top_p 1 disable those filters; `logprobs`
-    asks for that many top alternatives per sampled token (0 = only the sampled token's).
-    Lower `priority` is scheduled sooner; `namespace` (the cache salt) isolates the prefix cache.
+    A temperature below SAMPLING_EPS is greedy (top-k and top-p then off, as vLLM); one in
+    [SAMPLING_EPS, MIN_TEMPERATURE) is raised to MIN_TEMPERATURE, as vLLM does. (vLLM raises
+    every positive temperature under MIN_TEMPERATURE, so it samples sub-epsilon ones at 0.01;
+    here they are greedy.) top_k 0 or -1 and top_p 1 disable those filters; seed -1 means
+    none (vLLM); `logprobs` asks for that many top alternatives per sampled token (0 = only
+    the sampled token's). Lower `priority` is scheduled sooner; `namespace` (the cache salt)
+    isolates the prefix cache.
     """
 
     max_tokens: int = 16
@@ -67,39 +88,57 @@ class SamplingParams:
         self.stop_token_ids = _as_tuple(self.stop_token_ids, int, "stop_token_ids")
         if self.top_k == -1:
             self.top_k = 0
-        _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an int >= 1")
-        _check(
-            isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
-            and self.temperature >= 0,
-            "temperature must be a finite number >= 0",
-        )
-        _check(
-            isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"
-        )
-        _check(is_int(self.top_k) and self.top_k >= 0, "top_k must be -1, 0 or a positive int")
-        _check(self.seed is None or is_int(self.seed), "seed must be an int or None")
-        _check(all(s for s in self.stop), "stop strings must be non-empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        if self.seed == -1:
+            self.seed = None
+        _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               "max_tokens must be an int >= 1")
+        self.temperature = _finite_float(self.temperature, "temperature")
+        _check(self.temperature >= 0, "temperature", "temperature must be a finite number >= 0")
+        self.top_p = _finite_float(self.top_p, "top_p")
+        _check(0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]")
+        _check(is_int(self.top_k) and self.top_k >= 0, "top_k",
+               "top_k must be -1, 0 or a positive int")
+        _check(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+               "seed", f"seed must be None or an int in [{INT64_MIN}, {INT64_MAX}]")
+        _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "stop_token_ids must be >= 0")
         _check(
             self.logprobs is None
             or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be None or an int in [0, {MAX_LOGPROBS}]",
+            "logprobs", f"logprobs must be None or an int in [0, {MAX_LOGPROBS}]",
         )
-        _check(is_int(self.priority), "priority must be an int")
+        _check(is_int(self.priority), "priority", "priority must be an int")
         _check(
             self.namespace is None or isinstance(self.namespace, str),
-            "namespace must be a str or None",
+            "namespace", "namespace must be a str or None",
         )
+        if self.temperature < SAMPLING_EPS:
+            self.top_p, self.top_k = 1.0, 0
+        elif self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
-
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise SamplingParamError(param, message)
+
+
+def _finite_float(value: Any, param: str) -> float:
+    """`value` as a finite float (an int too large for a float is refused, not an error)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise SamplingParamError(param, f"{param} must be a number")
+    try:
+        as_float = float(value)
+    except OverflowError:
+        raise SamplingParamError(param, f"{param} is too large") from None
+    if not math.isfinite(as_float):
+        raise SamplingParamError(param, f"{param} must be a finite number")
+    return as_float
 
 
 def _as_tuple(value: Any, kind: type, name: str) -> tuple:
@@ -107,9 +146,12 @@ def _as_tuple(value: Any, kind: type, name: str) -> tuple:
         return ()
     if isinstance(value, kind):
         value = (value,)
-    items = tuple(value)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise SamplingParamError(name, f"{name} must hold {kind.__name__} values") from None
     if not all(isinstance(v, kind) and not isinstance(v, bool) for v in items):
-        raise ValueError(f"{name} must hold {kind.__name__} values")
+        raise SamplingParamError(name, f"{name} must hold {kind.__name__} values")
     return items
 
 

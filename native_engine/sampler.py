@@ -1,7 +1,12 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators, logprobs.
 
 Logprobs are those of the raw model distribution (log-softmax of the logits before
-temperature and filters), as vLLM reports by default. Greedy ties go to the lowest token id.
+temperature and filters), as vLLM reports by default; a -inf or undefined one is reported as
+LOGPROB_FLOOR, vLLM's floor in its API. Greedy ties go to the lowest token id.
+
+Sampling cannot fail on accepted parameters: rows are sampled in float32 with NaN logits
+masked, shifted so the largest is 0 before dividing by the temperature (nothing overflows);
+a row whose distribution is still degenerate (all masked, or +inf logits) takes its argmax.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from native_engine.request import SamplingParams
+
+LOGPROB_FLOOR = -9999.0
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +49,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample_row(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
-    if params.greedy:
+    """One token from a 1-D float32 row whose NaNs are already masked to -inf."""
+    top = logits.max()
+    if params.greedy or not bool(torch.isfinite(top)):
         return int(logits.argmax())
-    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-    probs = scaled.softmax(-1)
+    # <= 0 everywhere, the top at 0, and a float32 divisor: no overflow and no inf/inf NaN,
+    # so the filtered softmax is finite with the top's weight 1 (filters keep the top).
+    scaled = (logits - top) / min(params.temperature, FLOAT32_MAX)
+    probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -57,6 +69,7 @@ def sample(
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError("need one params and generator per logits row")
     logits = logits.float().cpu()
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
     if all(p.greedy for p in params):
         tokens = logits.argmax(-1).tolist()
     else:
@@ -67,8 +80,9 @@ def sample(
         if p.logprobs is None:
             out.append(Sample(token))
             continue
-        logprobs = row.log_softmax(-1)
-        top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
+        logprobs = row.log_softmax(-1).nan_to_num(nan=LOGPROB_FLOOR).clamp_min(LOGPROB_FLOOR)
+        k = min(p.logprobs, logprobs.numel())
+        top = torch.topk(logprobs, k) if k else None
         alternatives = (
             tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
         )

@@ -287,13 +287,14 @@ class Scheduler:
         self.waiting.prepend(req)
         out.preempted.append(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """End `req` (running or waiting): cache its computed tokens, free its blocks."""
+    def finish(self, req: Request, status: RequestStatus, cache: bool = True) -> None:
+        """End `req` (running or waiting): cache its computed tokens (unless not `cache`),
+        free its blocks."""
         if req in self.running:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
-        self._release(req, insert=True)
+        self._release(req, insert=cache)
         req.status = status
 
     def _cache_computed(self, req: Request) -> None:

@@ -50,8 +50,12 @@ CLIENT_SALT_KEYS = frozenset(
 # Body keys whose contents are forwarded as engine extras, so a salt may hide inside them
 # (`nvext.cache_salt` for Dynamo, OpenAI-SDK `extra_body` copies, vLLM `vllm_xargs`).
 CLIENT_SALT_CONTAINERS = frozenset({"extra_body", "nvext", "vllm_xargs"})
-# Headers that pick a namespace upstream (Dynamo `x-tenant-id`, vLLM PR #57609 `x-cache-salt`).
-CLIENT_SALT_HEADERS = frozenset({"x-tenant-id", "x-cache-salt"})
+# Headers that pick a namespace or tenant upstream (Dynamo `x-tenant-id`, vLLM PR #57609
+# `x-cache-salt`, and gateway spellings of the same); never forwarded, counted as dropped.
+CLIENT_SALT_HEADERS = frozenset({"x-tenant-id", "x-cache-salt", "x-cache-namespace",
+                                 "x-kv-namespace"})
+# More salt fields than this in one body is no client mistake: refuse it (bounded work).
+MAX_CLIENT_SALT_HITS = 16
 
 
 class SaltKeyError(ValueError):
@@ -146,60 +150,81 @@ class ClientSaltField:
         return ".".join(str(part) for part in self.path)
 
 
-def find_client_salts(body: Mapping[str, Any]) -> tuple[ClientSaltField, ...]:
+class TooManyClientSalts(ValueError):
+    """More client salt fields than one body may carry (`max_hits`)."""
+
+
+def find_client_salts(body: Mapping[str, Any],
+                      max_hits: int = MAX_CLIENT_SALT_HITS) -> tuple[ClientSaltField, ...]:
     """Every salt alias in `body`: at top level, and at any depth inside the containers.
 
     Keys match case-insensitively. Other fields (`messages`, `tools`, `response_format`) are
     not searched, so a tool parameter that happens to be named `cache_salt` is not a hit.
+    One pass over the containers; more than `max_hits` hits raise TooManyClientSalts.
     """
-    if not isinstance(body, Mapping):
-        raise TypeError("request body must be a JSON object")
-    found: list[ClientSaltField] = []
-    stack: list[tuple[tuple[str | int, ...], Any]] = []
-    for key, value in body.items():
-        name = str(key).lower()
-        if name in CLIENT_SALT_KEYS:
-            found.append(ClientSaltField((key,)))
-        elif name in CLIENT_SALT_CONTAINERS:
-            stack.append(((key,), value))
-    while stack:
-        path, value = stack.pop()
-        children = (
-            value.items()
-            if isinstance(value, Mapping)
-            else (enumerate(value) if isinstance(value, list) else ())
-        )
-        for key, child in children:
-            if isinstance(key, str) and key.lower() in CLIENT_SALT_KEYS:
-                found.append(ClientSaltField((*path, key)))
-            else:
-                stack.append(((*path, key), child))
-    return tuple(sorted(found, key=lambda f: f.dotted))
+    return _scan(body, max_hits, copy=False)[1]
 
 
 def strip_client_salts(
-    body: Mapping[str, Any],
+    body: Mapping[str, Any], max_hits: int = MAX_CLIENT_SALT_HITS
 ) -> tuple[dict[str, Any], tuple[ClientSaltField, ...]]:
     """A new dict without the fields `find_client_salts` reports, and those fields.
 
-    The input is not modified; subtrees holding no salt are shared, not copied.
+    The input is not modified. One pass, linear in the size of the searched containers
+    (a key path is built only for a hit).
     """
-    found = find_client_salts(body)
-    return dict(_without_paths(body, {f.path for f in found}, ())), found
+    stripped, found = _scan(body, max_hits, copy=True)
+    return stripped, found
 
 
-def _without_paths(value: Any, paths: set[tuple[str | int, ...]], here: tuple) -> Any:
-    if not any(p[: len(here)] == here for p in paths):
+# A key path as a chain of (parent, key) links, turned into a tuple only for a hit.
+_Link = tuple[Any, str | int] | None
+
+
+def _path(link: _Link) -> tuple[str | int, ...]:
+    parts: list[str | int] = []
+    while link is not None:
+        link, key = link
+        parts.append(key)
+    return tuple(reversed(parts))
+
+
+def _scan(body: Mapping[str, Any], max_hits: int, copy: bool
+          ) -> tuple[dict[str, Any], tuple[ClientSaltField, ...]]:
+    if not isinstance(body, Mapping):
+        raise TypeError("request body must be a JSON object")
+    hits: list[ClientSaltField] = []
+
+    def hit(link: _Link) -> None:
+        hits.append(ClientSaltField(_path(link)))
+        if len(hits) > max_hits:
+            raise TooManyClientSalts(f"the body carries more than {max_hits} cache salt "
+                                     "fields")
+
+    def walk(value: Any, link: _Link) -> Any:
+        if isinstance(value, Mapping):
+            out = {}
+            for key, child in value.items():
+                if isinstance(key, str) and key.lower() in CLIENT_SALT_KEYS:
+                    hit((link, key))
+                else:
+                    kept = walk(child, (link, key))
+                    if copy:
+                        out[key] = kept
+            return out if copy else value
+        if isinstance(value, list):
+            kept_items = [walk(child, (link, i)) for i, child in enumerate(value)]
+            return kept_items if copy else value
         return value
-    if isinstance(value, Mapping):
-        return {
-            k: _without_paths(v, paths, (*here, k))
-            for k, v in value.items()
-            if (*here, k) not in paths
-        }
-    if isinstance(value, list):
-        return [_without_paths(v, paths, (*here, i)) for i, v in enumerate(value)]
-    return value
+
+    stripped: dict[str, Any] = {}
+    for key, value in body.items():
+        name = str(key).lower()
+        if name in CLIENT_SALT_KEYS:
+            hit((None, key))
+            continue
+        stripped[key] = walk(value, (None, key)) if name in CLIENT_SALT_CONTAINERS else value
+    return stripped, tuple(sorted(hits, key=lambda f: f.dotted))
 
 
 def find_client_salt_headers(header_names: Iterable[str]) -> tuple[str, ...]:

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from schemas.openai import AnyRequest, Route, parse_request
+
 
 class Determinism(enum.StrEnum):
     """What an engine may claim about run-to-run identical output."""
@@ -48,18 +50,30 @@ class EngineCapabilities:
 class EngineRequest:
     """One generation request as the governor hands it to a driver.
 
-    `body` is the OpenAI-shaped request body after validation, without any client salt;
-    `cache_salt` is the governor's salt (None only for engines without prefix caching);
-    `priority` is the engine-direction value, None when the capability is off.
+    `body` is the typed OpenAI body after the governor's checks: no client salt, no client
+    priority, `max_tokens` set, streams asking for usage. `cache_salt` is the governor's
+    salt (None only for engines without prefix caching); `priority` is the engine-direction
+    value, None when the capability is off.
     """
 
     request_id: str
-    route: Literal["chat", "completions"]
-    body: dict[str, Any]
+    route: Route
+    body: AnyRequest
     tenant: str
     cache_salt: str | None
     priority: int | None = None
-    stream: bool = False
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.stream)
+
+    @classmethod
+    def of(cls, request_id: str, route: Route, body: dict[str, Any], tenant: str,
+           cache_salt: str | None, priority: int | None = None) -> EngineRequest:
+        """From a plain body (the governor's own probes): parsed by the one validation
+        layer, so a driver only ever sees typed bodies."""
+        return cls(request_id, route, parse_request(route, body), tenant, cache_salt,
+                   priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +105,19 @@ class StreamChunk:
 
 
 @dataclass(eq=False)
-class EngineError(Exception):
-    """An OpenAI-style error from (or about) the engine, with the HTTP status to answer.
-
-    Not frozen and without slots: Python must be able to set `__traceback__` on it."""
+class APIError(Exception):
+    """An OpenAI-style error with the HTTP status to answer: `{"error": {message, type,
+    param, code}}` (code = the status unless given). Not frozen and without slots: Python
+    must be able to set `__traceback__` on it."""
 
     status: int
     message: str
-    type: str = "InternalServerError"
+    type: str = "server_error"
     param: str | None = None
     code: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.type}: {self.message}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -112,3 +128,11 @@ class EngineError(Exception):
                 "code": self.code if self.code is not None else self.status,
             }
         }
+
+
+@dataclass(eq=False)
+class EngineError(APIError):
+    """What the engine answered (or the transport to it failed with), relayed as is."""
+
+    type: str = "InternalServerError"
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -31,13 +31,25 @@ def _positive_int(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class TenantConfig:
-    """One `[[tenants]]` entry. Keys are stored only as SHA-256 hex digests."""
+    """One `[[tenants]]` entry. Keys are stored only as SHA-256 hex digests.
+
+    `max_tokens` None takes the server's default cap; `max_queued` None allows as many
+    waiters as `max_concurrency`; `allow` names the feature groups the operator enables for
+    this tenant (policies.request_fields); `media_url_allowlist` holds URL prefixes media
+    parts may point at; `requests_per_s` / `tokens_per_min` are token-bucket rate limits
+    (None: none).
+    """
 
     id: str
     api_key_sha256: tuple[str, ...]
     tenant_class: str = "standard"
     max_concurrency: int = 16
-    max_tokens: int = 2048
+    max_tokens: int | None = None
+    max_queued: int | None = None
+    allow: tuple[str, ...] = ()
+    media_url_allowlist: tuple[str, ...] = ()
+    requests_per_s: float | None = None
+    tokens_per_min: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.id, str) and TENANT_ID.fullmatch(self.id) is not None,
@@ -49,22 +61,50 @@ class TenantConfig:
                      f"tenant {self.id}: api_key_sha256 entries must be 64 lowercase hex")
         _require(self.tenant_class in TENANT_CLASSES,
                  f"tenant {self.id}: class must be one of {TENANT_CLASSES}")
-        _require(_positive_int(self.max_concurrency) and _positive_int(self.max_tokens),
-                 f"tenant {self.id}: max_concurrency and max_tokens must be ints ≥ 1")
+        _require(_positive_int(self.max_concurrency),
+                 f"tenant {self.id}: max_concurrency must be an int ≥ 1")
+        for name in ("max_tokens", "max_queued", "tokens_per_min"):
+            value = getattr(self, name)
+            _require(value is None or _positive_int(value),
+                     f"tenant {self.id}: {name} must be an int ≥ 1")
+        _require(self.requests_per_s is None or (
+            isinstance(self.requests_per_s, int | float) and not isinstance(
+                self.requests_per_s, bool) and 0 < self.requests_per_s < float("inf")),
+                 f"tenant {self.id}: requests_per_s must be a positive number")
+        for name in ("allow", "media_url_allowlist"):
+            value = getattr(self, name)
+            _require(isinstance(value, tuple) and all(isinstance(v, str) and v for v in value),
+                     f"tenant {self.id}: {name} must be a list of non-empty strings")
+        _require(all(u.startswith("https://") for u in self.media_url_allowlist),
+                 f"tenant {self.id}: media_url_allowlist entries must be https:// prefixes")
+
+    @property
+    def queue_limit(self) -> int:
+        return self.max_queued if self.max_queued is not None else self.max_concurrency
 
     def to_toml_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "api_key_sha256": list(self.api_key_sha256),
-                "class": self.tenant_class, "max_concurrency": self.max_concurrency,
-                "max_tokens": self.max_tokens}
+        doc: dict[str, Any] = {"id": self.id, "api_key_sha256": list(self.api_key_sha256),
+                               "class": self.tenant_class,
+                               "max_concurrency": self.max_concurrency}
+        for name in ("max_tokens", "max_queued", "requests_per_s", "tokens_per_min"):
+            if getattr(self, name) is not None:
+                doc[name] = getattr(self, name)
+        for name in ("allow", "media_url_allowlist"):
+            if getattr(self, name):
+                doc[name] = list(getattr(self, name))
+        return doc
 
     @classmethod
     def from_toml_dict(cls, raw: dict[str, Any]) -> TenantConfig:
-        known = {"id", "api_key_sha256", "class", "max_concurrency", "max_tokens"}
+        known = {"id", "api_key_sha256", "class", "max_concurrency", "max_tokens",
+                 "max_queued", "allow", "media_url_allowlist", "requests_per_s",
+                 "tokens_per_min"}
         unknown = set(raw) - known
         _require(not unknown, f"[[tenants]] unknown key(s): {sorted(unknown)}")
         values = {("tenant_class" if k == "class" else k): v for k, v in raw.items()}
-        keys = values.get("api_key_sha256")
-        values["api_key_sha256"] = tuple(keys) if isinstance(keys, list) else keys
+        for name in ("api_key_sha256", "allow", "media_url_allowlist"):
+            if isinstance(values.get(name), list):
+                values[name] = tuple(values[name])
         return cls(**values)
 
 

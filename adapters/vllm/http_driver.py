@@ -22,8 +22,11 @@ from httpx_sse import EventSource, SSEError
 
 from schemas.engine import EngineCapabilities, EngineError, EngineRequest, StreamChunk
 
-from .capabilities import VLLMDeclarations, probe_capabilities
+from .cache_control import VLLMCacheControl
+from .capabilities import CapabilityRefusedError, VLLMDeclarations, probe_capabilities
+from .control_plane import ControlPlane
 from .dev_control import VLLMDevControl
+from .fak_control import FakCacheControlClient
 from .kv_subscriber import KVEventSubscriber
 from .metrics import MetricsParseError, MetricsScrapeError, MetricsSnapshot, scrape, serving_metrics
 from .sse import MalformedUpstreamError, chunk_from_body, chunk_from_event_data
@@ -62,10 +65,12 @@ class VLLMHTTPConfig:
 def forwarded_body(
     request: EngineRequest, priority_scheduling: bool, model_id: str
 ) -> dict[str, Any]:
-    """The body vLLM receives: ours for salt, priority and stream, the client's otherwise."""
+    """The body vLLM receives: the governor's salt, priority and stream, the checked
+    client fields otherwise (serialised once, here)."""
     if not request.cache_salt:
         raise EngineError(status=500, message="refusing to forward a request without a cache salt")
-    body = {k: v for k, v in request.body.items() if k not in ("cache_salt", "priority")}
+    body = request.body.wire()
+    body.pop("priority", None)
     body["cache_salt"] = request.cache_salt
     body["stream"] = request.stream
     body.setdefault("model", model_id)
@@ -85,6 +90,7 @@ class VLLMDriver:
         capabilities: EngineCapabilities | None = None,
         kv: KVEventSubscriber | None = None,
         reset_route: VLLMDevControl | None = None,
+        fak_control: FakCacheControlClient | None = None,
     ) -> None:
         self.config = config
         self.urls = EngineURLs(config.base_url)
@@ -92,7 +98,10 @@ class VLLMDriver:
         self._given_capabilities = capabilities
         self.kv = kv
         self.dev_control = reset_route
+        self.fak_control = fak_control
+        self.cache_control = VLLMCacheControl(self)
         self._client: httpx.AsyncClient | None = None
+        self._control: ControlPlane | None = None
         self._last_metrics: MetricsSnapshot | None = None
         self.capabilities = capabilities or EngineCapabilities(
             engine_kind="vllm", model_id="", notes=("not probed",)
@@ -112,17 +121,34 @@ class VLLMDriver:
             follow_redirects=False,
             trust_env=False,
         )
+        self._control = ControlPlane(self.urls, headers)
         if self.kv is not None:
             await self.kv.start()
         if self._given_capabilities is None:
             self.capabilities = await probe_capabilities(
                 self._client, self.urls, self._declarations, self.kv, self.dev_control
             )
+            if self.fak_control is not None:
+                await self._probe_fak_control(self.fak_control)
+
+    async def _probe_fak_control(self, control: FakCacheControlClient) -> None:
+        """A configured cache-control token is a declaration: the route must answer."""
+        if not await control.probe():
+            raise CapabilityRefusedError(
+                "a cache-control token is configured but GET /fak/v1/cache/capabilities did "
+                "not accept it (start `fak engine serve --enable-cache-control` with the "
+                "same FAK_CACHE_CONTROL_TOKEN)")
+        self.capabilities = dataclasses.replace(
+            self.capabilities, exact_span_evict=True,
+            notes=(*self.capabilities.notes, "exact_span_evict probed on the fak control route"))
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._control is not None:
+            await self._control.close()
+            self._control = None
         if self.kv is not None:
             await self.kv.close()
 
@@ -133,20 +159,24 @@ class VLLMDriver:
             )
         return self._client
 
+    def _require_control(self) -> ControlPlane:
+        if self._control is None:
+            raise EngineError(
+                status=503, message="vLLM driver not started", type="ServiceUnavailable"
+            )
+        return self._control
+
     async def ready(self) -> bool:
-        endpoint = self.urls.health()
-        try:
-            response = await self._require_client().request(endpoint.method, endpoint.url)
-        except (httpx.HTTPError, EngineError):
-            return False
-        return response.status_code == 200
+        return self._control is not None and await self._control.healthy()
+
+    async def alive(self) -> bool:
+        """The driver is up; whether vLLM answers is readiness, not this process's life."""
+        return self._client is not None
 
     async def models(self) -> dict[str, Any]:
-        endpoint = self.urls.models()
-        deadline = asyncio.get_running_loop().time() + self.config.first_byte_timeout_s
-        response = await _guarded(
-            self._require_client().request(endpoint.method, endpoint.url), deadline
-        )
+        control = self._require_control()
+        deadline = asyncio.get_running_loop().time() + control.config.read_timeout_s + 1
+        response = await _guarded(control.models(), deadline)
         if response.status_code != 200:
             raise error_from_body(response.status_code, response.content)
         try:
@@ -158,7 +188,7 @@ class VLLMDriver:
         """Normalised metrics over the window since the previous call (first: since start)."""
         try:
             snapshot = await scrape(
-                self._require_client(), self.urls, self.capabilities.model_id or None
+                self._require_control().client, self.urls, self.capabilities.model_id or None
             )
         except (MetricsScrapeError, MetricsParseError) as exc:
             raise unavailable(f"metrics: {exc}") from exc
@@ -239,8 +269,9 @@ async def _guarded(awaitable: Awaitable[T], deadline: float) -> T:
     except TimeoutError as exc:
         raise timed_out("no answer within the configured timeout") from exc
     except httpx.ConnectTimeout as exc:
-        raise timed_out(f"connect: {exc!r}") from exc
+        raise timed_out("connect timed out") from exc
     except httpx.TimeoutException as exc:
-        raise timed_out(repr(exc)) from exc
+        raise timed_out(type(exc).__name__) from exc
     except httpx.TransportError as exc:
-        raise unavailable(repr(exc)) from exc
+        # The class name only: the exception text can carry the upstream's address.
+        raise unavailable(type(exc).__name__) from exc

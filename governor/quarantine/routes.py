@@ -18,6 +18,7 @@ import logging
 
 from aiohttp import web
 
+from governor.errors import bad_request, not_found
 from governor.http.common import GOVERNOR_KEY, admin_only, error_response, read_json
 from governor.quarantine.executors import QuarantineConfig
 from governor.quarantine.service import (
@@ -27,7 +28,6 @@ from governor.quarantine.service import (
     QuarantineService,
     UnknownTenantError,
 )
-from schemas.engine import EngineError
 
 QUARANTINE_KEY = web.AppKey("quarantine", QuarantineService)
 log = logging.getLogger("fak.quarantine")
@@ -53,29 +53,28 @@ def add_quarantine_routes(app: web.Application,
 async def handle_quarantine(request: web.Request) -> web.Response:
     gov, service = request.app[GOVERNOR_KEY], request.app[QUARANTINE_KEY]
     try:
+        server = gov.config.server
         quarantine = QuarantineRequest.from_json(
-            await read_json(request, gov.config.server.max_body_bytes))
+            await read_json(request, server.max_body_bytes, server.body_timeout_s))
         task = asyncio.ensure_future(service.quarantine(quarantine))
         task.add_done_callback(_log_unretrieved)
         record = await asyncio.shield(task)
     except QuarantineRequestError as exc:
-        return error_response(EngineError(400, str(exc), type="invalid_request_error",
-                                          param=exc.param))
+        return error_response(bad_request(str(exc), exc.param))
     except UnknownTenantError as exc:
-        return error_response(EngineError(404, f"unknown tenant {exc.args[0]!r}",
-                                          type="not_found_error", param="tenant"))
+        return error_response(not_found(f"unknown tenant {exc.args[0]!r}", "tenant"))
     return web.json_response(record.to_json())
 
 
 async def handle_show(request: web.Request) -> web.Response:
     service = request.app[QUARANTINE_KEY]
     quarantine_id = request.match_info["quarantine_id"]
-    record: QuarantineRecord | None = service.get(quarantine_id)
+    record = await service.lookup(quarantine_id)
     if record is None:
-        return error_response(EngineError(
-            404, f"no quarantine {quarantine_id!r} in memory (the audit log has every one)",
-            type="not_found_error", param="quarantine_id"))
-    return web.json_response(record.to_json())
+        return error_response(not_found(
+            f"no quarantine {quarantine_id!r} in memory (the audit log has every one)",
+            "quarantine_id"))
+    return web.json_response(record)
 
 
 def _log_unretrieved(task: asyncio.Future[QuarantineRecord]) -> None:

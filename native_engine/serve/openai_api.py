@@ -1,29 +1,34 @@
-"""OpenAI request/response shapes as vLLM 0.32 speaks them, for the native engine.
+"""OpenAI requests and responses as vLLM 0.32 speaks them, for the native engine.
 
 Shared by the in-process driver and `fak engine serve`, so both answer like a vLLM server
 (vectors/vllm-0.32.0-cpu/http.jsonl): same keys, value types and error `type`/`param`.
 
-Bodies are validated by pydantic, as vLLM does, so a wrong field type gets vLLM's answer:
-400, type "Bad Request", param `body.<field>`, a "1 validation error:" message with pydantic's
-error type and text. The salt rule runs first and answers type "BadRequestError", param
-`cache_salt`, as vLLM's request validator does.
+Bodies are typed by the one validation layer (schemas.openai); this module renders its
+failures as vLLM does — 400, type "Bad Request", param `body.<field>`, a "1 validation
+error:" message with pydantic's error type and text — after vLLM's salt rule, which answers
+type "BadRequestError", param `cache_salt`. Then come the native engine's own refusals:
+features it does not implement are refused loudly, never ignored.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Any
 
 from native_engine.request import MAX_LOGPROBS, SamplingParams
 from policies.salts import validate_vllm_cache_salt
 from schemas.engine import EngineError
+from schemas.openai import (
+    AnyRequest,
+    ChatRequest,
+    RequestInvalid,
+    Route,
+    load_json,
+    parse_request,
+)
 
 SYSTEM_FINGERPRINT = "fak-native"
-Route = Literal["chat", "completions"]
 # Features a vLLM server offers that this engine does not: refused loudly, never ignored.
 UNSUPPORTED_IF_SET: dict[str, Any] = {
     "n": 1, "best_of": None, "echo": False, "use_beam_search": False, "prompt_logprobs": None,
@@ -35,46 +40,6 @@ def bad_request(message: str, param: str | None, type_: str = "BadRequestError")
     return EngineError(400, message, type=type_, param=param)
 
 
-# -- request bodies -----------------------------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    include_usage: bool | None = True  # vLLM's default once stream_options is given
-    continuous_usage_stats: bool | None = False
-
-
-class _Body(BaseModel):
-    """The fields the native engine honours, typed as vLLM declares them."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    priority: int = 0
-    cache_salt: str | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-
-
-class CompletionBody(_Body):
-    prompt: list[int] | list[list[int]] | str | list[str] | None = None
-    logprobs: int | None = None
-
-
-class ChatBody(_Body):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = 0
-
-
 def _summary(value: Any) -> Any:
     """How vLLM's error text shows a rejected input: containers by size, scalars as is."""
     if isinstance(value, dict):
@@ -84,7 +49,7 @@ def _summary(value: Any) -> Any:
     return value
 
 
-def validation_error(errors: list[dict[str, Any]]) -> EngineError:
+def validation_error(errors: tuple[dict[str, Any], ...]) -> EngineError:
     """vLLM's answer to a request-validation failure (FastAPI's errors, `body.` located)."""
     shown = []
     for err in errors:
@@ -100,16 +65,10 @@ def validation_error(errors: list[dict[str, Any]]) -> EngineError:
 
 def parse_json(raw: bytes) -> Any:
     """The request's JSON, or vLLM's 400 for a body that is not JSON (param `body.<pos>`)."""
-    if not raw.strip():
-        raise validation_error([{"type": "missing", "loc": (), "msg": "Field required",
-                                 "input": None}])
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        pos = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason
-        raise validation_error([{"type": "json_invalid", "loc": (pos,), "msg": "JSON decode error",
-                                 "input": {}, "ctx": {"error": reason}}]) from None
+        return load_json(raw)
+    except RequestInvalid as exc:
+        raise validation_error(exc.errors) from None
 
 
 def check_cache_salt(body: dict[str, Any]) -> str | None:
@@ -122,57 +81,72 @@ def check_cache_salt(body: dict[str, Any]) -> str | None:
     return body["cache_salt"]
 
 
-def validate_body(route: Route, body: Any) -> CompletionBody | ChatBody:
-    """Salt rule, then field types, then features this engine refuses (in vLLM's order)."""
+def validate_body(route: Route, body: Any) -> AnyRequest:
+    """Salt rule, then field types, then what this engine refuses (in vLLM's order)."""
     if isinstance(body, dict):
         check_cache_salt(body)
-    model = ChatBody if route == "chat" else CompletionBody
     try:
-        parsed = model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False)) from None
+        parsed = parse_request(route, body)
+    except RequestInvalid as exc:
+        raise validation_error(exc.errors) from None
+    check_supported(parsed)
+    return parsed
+
+
+def check_supported(parsed: AnyRequest) -> None:
+    """Features this engine does not implement are refused, never ignored."""
     for name, default in UNSUPPORTED_IF_SET.items():
-        if (parsed.model_extra or {}).get(name, default) != default:
+        value = getattr(parsed, name, None) if name in type(parsed).model_fields \
+            else parsed.extra_fields.get(name, default)
+        if value is not None and value != default and name in parsed.set_fields:
             raise bad_request(f"'{name}' is not supported by the native engine", name)
     if parsed.stream_options is not None and not parsed.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.",
                           "stream_options")
-    return parsed
+    if isinstance(parsed, ChatRequest):
+        for i, message in enumerate(parsed.messages):
+            if message.text() is None:
+                raise bad_request("the native engine takes text content only (text parts "
+                                  "or a string)", f"messages.{i}.content")
 
 
-def check_model(parsed: CompletionBody | ChatBody, served: str) -> None:
+def check_model(parsed: AnyRequest, served: str) -> None:
     if parsed.model is not None and parsed.model != served:
         raise EngineError(404, f"The model `{parsed.model}` does not exist. Valid aliases: "
                           f"{served}.", type="NotFoundError", param="model")
 
 
-def _logprobs(parsed: CompletionBody | ChatBody) -> int | None:
-    if isinstance(parsed, ChatBody):
+def _logprobs(parsed: AnyRequest) -> int | None:
+    if isinstance(parsed, ChatRequest):
         return (parsed.top_logprobs or 0) if parsed.logprobs else None
     return parsed.logprobs
 
 
-def sampling_params(parsed: CompletionBody | ChatBody, prompt_len: int, max_model_len: int,
-                    stop_token_ids: tuple[int, ...], priority_enabled: bool) -> SamplingParams:
-    """SamplingParams of a validated body, answering vLLM's 400s for bad values. Priority
-    is dropped (not refused) when priority scheduling is off: vLLM V1 ignores it under FCFS."""
+def sampling_params(parsed: AnyRequest, prompt_len: int, max_model_len: int,
+                    stop_token_ids: tuple[int, ...], priority_enabled: bool,
+                    namespace: str | None = None, priority: int | None = None
+                    ) -> SamplingParams:
+    """SamplingParams of a validated body, answering vLLM's 400s for bad values.
+    `max_tokens` is clamped to the room the prompt leaves, as vLLM 0.32 does (its
+    `get_max_tokens`). `namespace` / `priority` given (the in-process path) take the place
+    of the body's; priority is dropped (not refused) when priority scheduling is off, as
+    vLLM V1 ignores it under FCFS."""
     room = max_model_len - prompt_len
     if room < 1:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {prompt_len} input tokens. Please reduce the length of the input.",
             "input_tokens")
-    chat = isinstance(parsed, ChatBody)
-    max_tokens = (parsed.max_completion_tokens if chat else None) or parsed.max_tokens
-    if max_tokens is None:
-        max_tokens = room if chat else min(16, room)
-    if max_tokens < 1 or max_tokens > room:
-        raise bad_request(f"'max_tokens' is {max_tokens}; it must be in [1, {room}] for this "
-                          "prompt", "max_tokens")
+    requested = parsed.requested_max_tokens
+    if requested is not None and requested < 1:
+        raise bad_request(f"'max_tokens' is {requested}; it must be at least 1", "max_tokens")
+    default = room if isinstance(parsed, ChatRequest) else min(16, room)
+    max_tokens = min(room, requested) if requested is not None else default
     logprobs = _logprobs(parsed)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
     stop = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
+    chosen = parsed.priority if priority is None else priority
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -184,11 +158,11 @@ def sampling_params(parsed: CompletionBody | ChatBody, prompt_len: int, max_mode
             stop_token_ids=tuple(parsed.stop_token_ids or ()) + stop_token_ids,
             ignore_eos=parsed.ignore_eos,
             logprobs=logprobs,
-            priority=parsed.priority if priority_enabled else 0,
-            namespace=parsed.cache_salt,
+            priority=chosen if priority_enabled else 0,
+            namespace=parsed.cache_salt if namespace is None else namespace,
         )
-    except ValueError as exc:
-        raise bad_request(str(exc), None) from None
+    except ValueError as exc:  # a SamplingParamError names its field
+        raise bad_request(str(exc), getattr(exc, "param", None)) from None
 
 
 # -- responses ----------------------------------------------------------------------------

@@ -1,30 +1,32 @@
-"""Serve one OpenAI request on the native engine: body in, vLLM-shaped dicts out.
+"""Serve one OpenAI request on the native engine: a body in, vLLM-shaped chunks out.
 
-Used by the in-process driver (adapters/native.py) and by `fak engine serve`, so both give
-the same answers. Errors are raised as EngineError with vLLM's status, type and param, all
-before the first yield (a stream that has started only ends).
+Used by the in-process driver (adapters/native.py) with bodies the governor already typed
+(`prepare_parsed`: salt and priority as values, no dict round trip) and by `fak engine
+serve` with raw bodies (`prepare`), so both give the same answers. Chunks come out as
+`StreamChunk`s carrying their usage as a value. Errors are raised as EngineError with
+vLLM's status, type and param, all before the first yield (a stream that has started only
+ends).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from native_engine.async_engine import AsyncLLMEngine, EngineDeadError
+from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from native_engine.engine import RequestOutput
 from native_engine.model.chat_template import ChatTemplate, ChatTemplateError
 from native_engine.model.tokenizer import TextTokenizer
 from native_engine.request import SamplingParams
 from native_engine.serve.openai_api import (
-    ChatBody,
     Completion,
-    CompletionBody,
-    Route,
     bad_request,
     chat_logprobs,
     check_model,
+    check_supported,
     completion_logprobs,
     full_response,
     response_id,
@@ -34,9 +36,22 @@ from native_engine.serve.openai_api import (
     usage_chunk,
     validate_body,
 )
-from schemas.engine import EngineError
+from schemas.cache_control import SpanSpec
+from schemas.engine import EngineError, StreamChunk, Usage
+from schemas.openai import AnyRequest, ChatRequest, Route
 
 LogprobEntry = tuple[str, float, list[tuple[str, float]]]
+OFF_LOOP_CHARS = 32 << 10  # prompts this long are tokenised on a worker thread
+
+
+def text_size(parsed: AnyRequest) -> int:
+    """Characters the tokenizer and chat template will see."""
+    if isinstance(parsed, ChatRequest):
+        return sum(len(m.text() or "") for m in parsed.messages)
+    prompt = parsed.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt or () if isinstance(p, str))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +98,14 @@ class OpenAIServing:
         self.config = config
         self.observe = observe
 
-    def prompt_ids(self, parsed: CompletionBody | ChatBody) -> list[int]:
-        if isinstance(parsed, ChatBody):
+    def prompt_ids(self, parsed: AnyRequest) -> list[int]:
+        if isinstance(parsed, ChatRequest):
             if self.chat_template is None:
                 raise bad_request("this model has no chat template", "messages")
+            messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
+                        for m in parsed.messages]
             try:
-                text = self.chat_template.render(parsed.messages, add_generation_prompt=True)
+                text = self.chat_template.render(messages, add_generation_prompt=True)
             except ChatTemplateError as exc:
                 raise bad_request(str(exc), "messages") from None
             return self.tokenizer.encode(text)
@@ -122,27 +139,49 @@ class OpenAIServing:
         return chat_logprobs(entries) if route == "chat" else completion_logprobs(entries,
                                                                                     offset)
 
+    def span_tokens(self, span: SpanSpec) -> list[int]:
+        """The ids a request of this span would cache (its own validation and
+        tokenisation; one output token of room is required)."""
+        if span.token_ids is not None:
+            return list(span.token_ids)
+        if span.text is not None:
+            return self.prepare("completions", {"prompt": span.text, "max_tokens": 1}).prompt_ids
+        messages = [dict(m) for m in span.messages or ()]
+        return self.prepare("chat", {"messages": messages, "max_tokens": 1}).prompt_ids
+
     def prepare(self, route: Route, body: Any) -> Prepared:
-        """Validate and tokenise; every 4xx a request can get is raised here."""
-        parsed = validate_body(route, body)
+        """Validate and tokenise a raw body; every 4xx a request can get is raised here."""
+        return self._prepare(route, validate_body(route, body), None, None)
+
+    async def prepare_off_loop(self, route: Route, parsed: AnyRequest,
+                               namespace: str | None, priority: int | None) -> Prepared:
+        """`prepare_parsed`, on a worker thread when the text is long: tokenising a large
+        prompt must not stall every other request on the event loop."""
+        if text_size(parsed) < OFF_LOOP_CHARS:
+            return self.prepare_parsed(route, parsed, namespace, priority)
+        return await asyncio.to_thread(self.prepare_parsed, route, parsed, namespace, priority)
+
+    def prepare_parsed(self, route: Route, parsed: AnyRequest, namespace: str | None,
+                       priority: int | None) -> Prepared:
+        """A body the governor typed: what this engine supports, then tokenise, with the
+        governor's namespace and priority as values."""
+        check_supported(parsed)
+        return self._prepare(route, parsed, namespace, priority)
+
+    def _prepare(self, route: Route, parsed: AnyRequest, namespace: str | None,
+                 priority: int | None) -> Prepared:
         check_model(parsed, self.config.model_name)
         ids = self.prompt_ids(parsed)
         params = sampling_params(parsed, len(ids), self.config.max_model_len,
-                                 self.tokenizer.stop_token_ids, self.config.priority_enabled)
+                                 self.tokenizer.stop_token_ids, self.config.priority_enabled,
+                                 namespace, priority)
         options = parsed.stream_options
         return Prepared(route, ids, params, bool(parsed.stream),
                         bool(options is not None and options.include_usage))
 
-    async def run(self, route: Route, body: Any, request_id: str
-                  ) -> AsyncIterator[dict[str, Any] | None]:
-        """Yield response dicts: one full response, or stream chunks then None for [DONE]."""
-        prepared = self.prepare(route, body)
-        async for item in self.generate(prepared, request_id):
-            yield item
-
     async def generate(self, prepared: Prepared, request_id: str
-                       ) -> AsyncIterator[dict[str, Any] | None]:
-        """Run a prepared request: one full response, or stream chunks then None."""
+                       ) -> AsyncIterator[StreamChunk]:
+        """Run a prepared request: one full response, or stream chunks then the done one."""
         route, ids, params = prepared.route, prepared.prompt_ids, prepared.params
         stream, include_usage = prepared.stream, prepared.include_usage
         rid = response_id(route, request_id)
@@ -158,17 +197,19 @@ class OpenAIServing:
                     observer.on_output(len(out.new_token_ids))
                 new = self._logprob_entries(out) if want_logprobs else []
                 if stream and last is None and route == "chat":
-                    yield role_chunk(rid, model, created)
+                    yield StreamChunk(role_chunk(rid, model, created))
                 if stream and (out.text_delta or out.finished):
                     lp = self._format_logprobs(route, new, len("".join(text))) if new else None
-                    yield stream_chunk(route, rid, model, created, out.text_delta,
-                                       out.finish_reason, lp, out.stop_reason)
+                    yield StreamChunk(stream_chunk(route, rid, model, created, out.text_delta,
+                                                   out.finish_reason, lp, out.stop_reason))
                 text.append(out.text_delta)
                 entries.extend(new)
                 last = out
         except EngineDeadError as exc:
             raise EngineError(503, f"the native engine is not running: {exc}",
                               type="ServiceUnavailableError") from None
+        except RequestFailedError as exc:  # logged with its cause by the engine
+            raise EngineError(500, str(exc), type="InternalServerError") from None
         except ValueError as exc:
             raise bad_request(str(exc), None) from None
         finally:
@@ -181,13 +222,17 @@ class OpenAIServing:
                           self._created_cache_tokens(route, last.num_prompt_tokens,
                                                      last.cached_tokens))
         details = self.config.prompt_tokens_details
+        usage = Usage(done.prompt_tokens, done.completion_tokens,
+                      done.cached_tokens if details else None)
         if not stream:
             logprobs = self._format_logprobs(route, entries, 0) if want_logprobs else None
-            yield full_response(route, rid, model, done, details, created, logprobs)
+            yield StreamChunk(full_response(route, rid, model, done, details, created, logprobs),
+                              usage=usage)
             return
         if include_usage:
-            yield usage_chunk(route, rid, model, created, done, details)
-        yield None
+            yield StreamChunk(usage_chunk(route, rid, model, created, done, details),
+                              usage=usage)
+        yield StreamChunk(None, done=True)
 
     def models(self, root: str) -> dict[str, Any]:
         created = int(time.time())

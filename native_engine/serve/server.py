@@ -35,16 +35,18 @@ from typing import Any
 
 from aiohttp import web
 
-from native_engine.async_engine import AsyncLLMEngine
+from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, SupervisorConfig
 from native_engine.config import EngineConfig, SchedulingPolicy
 from native_engine.engine import LLMEngine
 from native_engine.kvcache.events import EventPublisher, KVEventRecorder
+from native_engine.serve.control_routes import TOKEN_ENV, CacheControlRoutes
 from native_engine.serve.kv_config import KVEventsConfig
 from native_engine.serve.kv_publisher import make_publisher
 from native_engine.serve.metrics import CacheInfo, ServerMetrics
-from native_engine.serve.openai_api import Route, parse_json
+from native_engine.serve.openai_api import parse_json, validate_body
 from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
-from schemas.engine import EngineError
+from schemas.engine import EngineError, StreamChunk
+from schemas.openai import Route
 
 log = logging.getLogger("fak.engine.serve")
 
@@ -72,7 +74,9 @@ class ServerConfig:
     dtype: str = "auto"
     device: str = "auto"
     dev_mode: bool = False
+    cache_control_token: str | None = field(default=None, repr=False)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     kv_offloading_size: float | None = None
     kv_disk_dir: str | None = None
     kv_disk_size: float | None = None
@@ -134,6 +138,9 @@ async def fastapi_shaped_errors(request: web.Request,
         raise
     except EngineError as exc:
         return error_response(exc)
+    except EngineDeadError as exc:
+        return error_response(EngineError(503, f"the native engine is not running: {exc}",
+                                          type="ServiceUnavailableError"))
     except Exception as exc:  # a bug must still answer in the API's error shape
         log.exception("unhandled error on %s", request.path)
         return error_response(EngineError(500, f"internal error: {exc!r}"))
@@ -158,6 +165,10 @@ class EngineServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.scrape)
+        if self.config.cache_control_token is not None:
+            log.warning("cache-control routes are enabled (exact-span eviction over HTTP)")
+            CacheControlRoutes(self.engine, self.serving, self.config.cache_control_token,
+                               self.config.kv_events.int_block_hashes).add_to(app)
         if self.config.dev_mode:
             log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT "
                         "be used in production!")
@@ -175,33 +186,35 @@ class EngineServer:
         # The engine id stays unique even when clients repeat an X-Request-Id.
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         try:
-            prepared = self.serving.prepare(route, parse_json(await request.read()))
+            parsed = validate_body(route, parse_json(await request.read()))
+            prepared = await self.serving.prepare_off_loop(route, parsed, None, None)
             events = self.serving.generate(prepared, f"{request_id}-{uuid.uuid4().hex[:8]}")
             first = await anext(events)
         except EngineError as exc:
             return error_response(exc)
         async with contextlib.aclosing(events):
             if not prepared.stream:
-                return web.Response(body=_json_bytes(first), content_type="application/json")
+                return web.Response(body=_json_bytes(first.data),
+                                    content_type="application/json")
             return await self._stream(request, first, events)
 
-    async def _stream(self, request: web.Request, first: dict[str, Any] | None,
-                      events: AsyncIterator[dict[str, Any] | None]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, first: StreamChunk,
+                      events: AsyncIterator[StreamChunk]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         item = first
         try:
             while True:
-                data = b"[DONE]" if item is None else _json_bytes(item)
+                data = b"[DONE]" if item.done else _json_bytes(item.data)
                 await response.write(b"data: " + data + b"\n\n")
-                if item is None:
+                if item.done:
                     break
                 try:
                     item = await anext(events)
                 except EngineError as exc:  # mid-stream: vLLM sends the error as an event
                     await response.write(b"data: " + _json_bytes(exc.to_json()) + b"\n\n")
-                    item = None
+                    item = StreamChunk(None, done=True)
             await response.write_eof()
         except ConnectionResetError:  # the client left; closing `events` aborts the request
             log.info("client disconnected from %s", request.path)
@@ -211,14 +224,20 @@ class EngineServer:
         return web.json_response(self.serving.models(self.config.model_root))
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.engine.is_alive else 503)
+        """200 (empty, as vLLM) only while the engine loop runs; else 503 saying why."""
+        live = self.engine.liveness()
+        if live.alive:
+            return web.Response(status=200)
+        return web.json_response({"status": live.state.value, "reason": live.reason,
+                                  "restarts": live.restarts}, status=503)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": fak_version()})
 
     async def scrape(self, request: web.Request) -> web.Response:
         if self.engine.is_alive:
-            self.metrics.update(await self.engine.stats())
+            with contextlib.suppress(EngineDeadError):  # it died since: serve what we have
+                self.metrics.update(await self.engine.stats())
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": self.metrics.content_type})
 
@@ -271,7 +290,7 @@ async def build_server(config: ServerConfig) -> tuple[EngineServer, EventPublish
     except BaseException:
         publisher.close()
         raise
-    engine = AsyncLLMEngine(llm)
+    engine = AsyncLLMEngine(llm, config.supervisor)
     await engine.start()
     metrics = ServerMetrics(config.model_name, CacheInfo(
         llm.config.block_size, llm.config.num_blocks, llm.cache is not None))
@@ -341,6 +360,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dev-mode", action="store_true",
                    help="mount POST /reset_prefix_cache (also VLLM_SERVER_DEV_MODE=1)")
+    p.add_argument("--enable-cache-control", action="store_true",
+                   help=f"mount fak's exact-span eviction route, behind the bearer token in "
+                   f"${TOKEN_ENV} (required)")
     p.add_argument("--kv-offloading-size", type=float, metavar="GiB",
                    help="host-RAM KV tier below the device pool, in GiB (vLLM's flag)")
     p.add_argument("--kv-disk-dir", metavar="DIR", help="disk KV tier directory (survives "
@@ -361,8 +383,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         attention_backend=args.attention_backend, dtype=args.dtype, device=args.device,
         dev_mode=args.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        cache_control_token=_cache_control_token(args.enable_cache_control),
         kv_events=kv_events, kv_offloading_size=args.kv_offloading_size,
         kv_disk_dir=args.kv_disk_dir, kv_disk_size=args.kv_disk_size)
+
+
+def _cache_control_token(enabled: bool) -> str | None:
+    if not enabled:
+        return None
+    token = os.environ.get(TOKEN_ENV, "")
+    if len(token) < 16:
+        raise ValueError(f"--enable-cache-control needs ${TOKEN_ENV} (at least 16 characters)")
+    return token
 
 
 def cmd_engine_serve(args: argparse.Namespace) -> int:

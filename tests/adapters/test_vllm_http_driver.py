@@ -40,7 +40,8 @@ async def collect(driver: VLLMDriver, request: EngineRequest) -> list:
 def req(
     body: dict, salt: str | None = "tenant-a", *, route="completions", stream=False, priority=None
 ):
-    return EngineRequest("r-1", route, body, "tenant", salt, priority=priority, stream=stream)
+    return EngineRequest.of("r-1", route, {**body, "stream": stream}, "tenant", salt,
+                            priority=priority)
 
 
 @pytest.fixture

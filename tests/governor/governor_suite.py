@@ -22,6 +22,7 @@ from governor.config import parse_config
 from governor.serve import build_governor
 from governor.state import Governor
 from policies.salts import tenant_salt
+from schemas.engine import EngineRequest
 
 from .server_thread import ServerThread
 
@@ -35,6 +36,22 @@ class Stack:
     gov: Governor
     urls: dict[str, str]
     block: int
+
+    def metrics(self, which: str = "strict") -> str:
+        """The governor's /metrics text, from its private listener."""
+        return httpx.get(self.thread.metrics_urls[self.urls[which]] + "/metrics").text
+
+    def direct(self, route: str, body: dict[str, Any], tenant: str) -> list[Any]:
+        """The same request straight to the engine driver, in the tenant's namespace."""
+        salt = self.gov.salt_for(tenant)
+        request = EngineRequest.of(f"direct-{time.time_ns()}", route,  # type: ignore[arg-type]
+                                   {**body, "model": self.gov.driver.capabilities.model_id},
+                                   tenant, salt)
+
+        async def collect() -> list[Any]:
+            return [c async for c in self.gov.driver.generate(request)]
+
+        return self.thread.run(collect())
 
 
 def governor_config(data_dir: Path, engine: dict[str, Any]):
@@ -80,14 +97,22 @@ def random_prompt(tokens_hint: int) -> str:
 
 
 def test_chat_and_completions_for_two_tenants(stack) -> None:
+    """Governed answers equal the engine's direct answer for the same request and salt
+    (both sent with the prompt already cached, so both take the same compute path)."""
     urls = stack.urls
+    question = [{"role": "user", "content": "What is the capital of France?"}]
     for tenant in ("acme", "beta"):
         c = client(urls["strict"], tenant)
-        chat = c.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "What is the capital of "
-                                        "France?"}], max_tokens=12, temperature=0)
-        assert "Paris" in chat.choices[0].message.content
-        assert chat.usage.prompt_tokens_details.cached_tokens is not None
+        first = c.chat.completions.create(model="smollm2", messages=question, max_tokens=12,
+                                          temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens is not None
+        direct = stack.direct("chat", {"messages": question, "max_tokens": 12,
+                                       "temperature": 0}, tenant)
+        chat = c.chat.completions.create(model="smollm2", messages=question, max_tokens=12,
+                                         temperature=0)
+        assert chat.choices[0].message.content == \
+            direct[0].data["choices"][0]["message"]["content"]
+        assert chat.choices[0].message.content
         comp = c.completions.create(model="smollm2", prompt="One, two, three,", max_tokens=6,
                                     temperature=0)
         assert comp.choices[0].text and comp.usage.completion_tokens == 6
@@ -109,7 +134,7 @@ def test_sec4_same_prompt_never_shared_across_tenants(stack) -> None:
     share a first letter."""
     urls = stack.urls
     for tenant in ("acme", "beta"):
-        stack.thread.call(lambda t=tenant: stack.gov.rotate(t, actor="sec4-test"))
+        stack.thread.run(stack.gov.rotate(tenant, actor="sec4-test"))
     prompt = random_prompt(6 * stack.block)
     a, b = client(urls["strict"], "acme"), client(urls["strict"], "beta")
 
@@ -131,8 +156,10 @@ def test_sec2_client_salt_rejected_or_stripped(stack) -> None:
                    headers={"Authorization": f"Bearer {KEYS['beta']}"})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "cache_salt"
+    # Counted, then written as the tenant's rate-bounded summary record (issue 13).
+    assert stack.thread.run(gov.flush_audit_summaries(force=True)) >= 1
     log = gov.config.server.data_dir / "audit.log"
-    assert '"kind":"client_salt_rejected"' in log.read_text()
+    assert '"client_salt_rejected=' in log.read_text()
     nested = {**body, "extra_body": {"cache_salt": "x"}}
     nested.pop("cache_salt")
     r = httpx.post(urls["strict"] + "/v1/completions", json=nested,
@@ -140,7 +167,7 @@ def test_sec2_client_salt_rejected_or_stripped(stack) -> None:
     assert r.status_code == 400
     # Lenient: stripped, and B's own salt is used — B's warm prompt hits only B's cache
     # (B's namespace starts empty, so the expected count is exactly 0).
-    stack.thread.call(lambda: gov.rotate("beta", actor="sec2-test"))
+    stack.thread.run(gov.rotate("beta", actor="sec2-test"))
     prompt = random_prompt(4 * stack.block)
     a = client(urls["strict"], "acme")
     for _ in range(2):
@@ -150,7 +177,7 @@ def test_sec2_client_salt_rejected_or_stripped(stack) -> None:
                    headers={"Authorization": f"Bearer {KEYS['beta']}"})
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    metrics = httpx.get(urls["lenient"] + "/metrics").text
+    metrics = stack.metrics("lenient")
     assert 'fak_client_cache_salt_total{action="stripped",tenant="beta"}' in metrics
 
 
@@ -161,8 +188,10 @@ def test_bad_requests_get_openai_errors(stack) -> None:
     cases = [
         ({}, {"messages": [{"role": "user", "content": "x"}]}, 401, None),
         (auth, {"messages": []}, 400, "messages"),
-        (auth, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400,
+        (auth, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
          "max_tokens"),
+        (auth, {"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {}},
+         400, "kv_transfer_params"),
         (auth, {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400,
          "temperature"),
         (auth, {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404,
@@ -185,7 +214,7 @@ def test_bad_requests_get_openai_errors(stack) -> None:
 def test_concurrent_streams_four_tenants_accounting(stack) -> None:
     """64 streams from 4 tenants (16 each) finish with exact per-tenant accounting."""
     urls = stack.urls
-    before = httpx.get(urls["strict"] + "/metrics").text
+    before = stack.metrics()
     totals: dict[str, int] = dict.fromkeys(KEYS, 0)
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -207,7 +236,7 @@ def test_concurrent_streams_four_tenants_accounting(stack) -> None:
     for t in threads:
         t.join(600)
     assert not errors, errors[:3]
-    after = httpx.get(urls["strict"] + "/metrics").text
+    after = stack.metrics()
     for tenant, expected in totals.items():
         assert expected == sum(4 + i % 3 for i in range(16))
         delta = _counter(after, tenant) - _counter(before, tenant)

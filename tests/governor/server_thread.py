@@ -8,9 +8,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from aiohttp import web
-
-from governor.http.app import build_app
+from governor.http.server import GovernorServer
 from governor.state import Governor
 
 T = TypeVar("T")
@@ -29,7 +27,8 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self._runners: list[web.AppRunner] = []
+        self._servers: list[GovernorServer] = []
+        self.metrics_urls: dict[str, str] = {}
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 600) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -41,19 +40,15 @@ class ServerThread:
         return self.run(wrapper())
 
     def serve(self, gov: Governor) -> str:
-        port = free_port()
-
-        async def start() -> None:
-            runner = web.AppRunner(build_app(gov), handler_cancellation=True)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            self._runners.append(runner)
-
-        self.run(start())
-        return f"http://127.0.0.1:{port}"
+        """Both listeners on free ports; the tenant URL (its metrics URL: `metrics_urls`)."""
+        server = GovernorServer(gov)
+        self.run(server.start("127.0.0.1", 0, "127.0.0.1", 0))
+        self._servers.append(server)
+        self.metrics_urls[server.url] = server.metrics_url
+        return server.url
 
     def stop(self) -> None:
-        for runner in self._runners:
-            self.run(runner.cleanup())
+        for server in self._servers:
+            self.run(server.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

@@ -62,7 +62,8 @@ def test_engine_down_answers_503_and_governor_stays_up(tmp_path: Path) -> None:
             r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=auth)
             assert r.status_code == 503
             assert r.json()["error"]["type"] == "ServiceUnavailableError"
-        assert httpx.get(url + "/health").status_code == 200
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and health.json()["engine_alive"] is False
         assert httpx.get(url + "/ready").status_code == 503
         assert gov.admission.in_flight == 0
         thread.run(gov.admission.acquire("acme", 1, 0))
@@ -70,6 +71,7 @@ def test_engine_down_answers_503_and_governor_stays_up(tmp_path: Path) -> None:
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
         thread.call(lambda: gov.admission.release("acme"))
-        assert 'reason="tenant_concurrency"' in httpx.get(url + "/metrics").text
+        metrics = httpx.get(thread.metrics_urls[url] + "/metrics").text
+        assert 'reason="tenant_concurrency"' in metrics
     finally:
         thread.stop()

@@ -94,8 +94,9 @@ async def test_flush_during_a_long_request_is_never_verified(vllm_server: VllmSe
         driver = service.gov.driver
         body = {"model": vllm_server.model, "prompt": letters(20), "max_tokens": 1500,
                 "ignore_eos": True, "temperature": 0}
-        long = driver.generate(EngineRequest(uuid.uuid4().hex, "completions", body, "acme",
-                                             service.gov.salt_for("acme"), stream=True))
+        long = driver.generate(EngineRequest.of(uuid.uuid4().hex, "completions",
+                                                {**body, "stream": True}, "acme",
+                                                service.gov.salt_for("acme")))
         first = await anext(long)  # the long request is running from here
         assert first.data is not None
         try:
@@ -114,7 +115,7 @@ async def test_lost_kv_batches_are_never_verified(vllm_server: VllmServer,
         salt = warm.gov.salt_for("acme")
         body = {"model": vllm_server.model, "prompt": letters(100), "max_tokens": 1}
         [_ async for _ in warm.gov.driver.generate(
-            EngineRequest(uuid.uuid4().hex, "completions", body, "acme", salt))]
+            EngineRequest.of(uuid.uuid4().hex, "completions", body, "acme", salt))]
         await asyncio.sleep(0.5)
     async with service_on(vllm_server, tmp_path / "restarted", replay=False) as service:
         record = await service.quarantine(span_request(letters(200)))

@@ -32,7 +32,7 @@ def letters(count: int) -> str:
 
 def completion(server: EngineServer, prompt: str, salt: str) -> EngineRequest:
     body = {"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    return EngineRequest(uuid.uuid4().hex, "completions", body, "t", salt)
+    return EngineRequest.of(uuid.uuid4().hex, "completions", body, "t", salt)
 
 
 async def wait_until(predicate, timeout_s: float = 15.0) -> bool:
@@ -94,7 +94,8 @@ async def test_driver_subscriber_metrics_and_reset(engine_server: EngineServer) 
         chunks = [
             c
             async for c in driver.generate(
-                EngineRequest("chat-1", "chat", chat, "t", salt_a, priority=1, stream=True)
+                EngineRequest.of("chat-1", "chat", {**chat, "stream": True}, "t", salt_a,
+                                 priority=1)
             )
         ]
         assert chunks[0].data["choices"][0]["delta"].get("role") == "assistant"

@@ -1,13 +1,23 @@
 """AsyncLLMEngine over the tiny real Llama: concurrent streams match the reference, a consumer
-that goes away aborts its request, calls run between steps, a failing step fails the streams."""
+that goes away aborts its request, calls run between steps; failures (issue 11): a failed
+forward or add fails only its requests, a cancelled call is skipped, a crashed loop is
+restarted by the supervisor (in-flight streams get an error, later requests work), and a
+crash loop ends in a dead engine that says why. Faults are injected into the real engine."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from native_engine.async_engine import AsyncLLMEngine, EngineDeadError
+from native_engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineState,
+    RequestFailedError,
+    SupervisorConfig,
+)
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
 from native_engine.model.loaded import LoadedModel
@@ -75,26 +85,143 @@ async def test_consumer_leaving_aborts(loaded: LoadedModel) -> None:
         await engine.close()
 
 
-class BrokenRunner:
-    def __init__(self, runner) -> None:
-        self.inner = runner
-        self.model_config = runner.model_config
-
-    def execute(self, batch):
-        raise RuntimeError("device lost")
-
-    def copy_slots(self, src, dst) -> None:
-        self.inner.copy_slots(src, dst)
+class InjectedFault(RuntimeError):
+    pass
 
 
-async def test_failing_step_fails_streams(loaded: LoadedModel) -> None:
-    inner = build(loaded)
-    engine = AsyncLLMEngine(LLMEngine(inner.config, BrokenRunner(inner.runner), inner.tokenizer))
+def fail_always(*args: object) -> None:
+    raise InjectedFault("injected")
+
+
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+async def wait_for_state(engine: AsyncLLMEngine, state: EngineState) -> None:
+    for _ in range(500):
+        if engine.liveness().state is state:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine never became {state}: {engine.liveness()}")
+
+
+async def test_a_failed_forward_fails_its_streams_and_the_engine_goes_on(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = ReferenceModel(loaded.config, loaded.weights)
+    engine = AsyncLLMEngine(build(loaded))
     await engine.start()
     try:
-        with pytest.raises(EngineDeadError):
-            await collect(engine, [1, 2, 3], SamplingParams(max_tokens=4), "a")
-        with pytest.raises(EngineDeadError):
-            await engine.stats()
+        real = engine.engine.runner.execute
+        monkeypatch.setattr(engine.engine.runner, "execute", fail_always)
+        with pytest.raises(RequestFailedError) as caught:
+            await collect(engine, [1, 2, 3], SHORT, "a")
+        assert isinstance(caught.value.__cause__, InjectedFault)
+        assert engine.is_alive
+        monkeypatch.setattr(engine.engine.runner, "execute", real)
+        outs = await collect(engine, [1, 2, 3], SHORT, "b")
+        assert [t for o in outs for t in o.new_token_ids] == ref.greedy_generate([1, 2, 3], 6, ())
+        await engine.call(lambda e: e.check_integrity())
     finally:
         await engine.close()
+    assert engine.liveness().state is EngineState.STOPPED and not engine.is_alive
+
+
+async def test_a_failing_add_fails_that_request_only(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = AsyncLLMEngine(build(loaded))
+    await engine.start()
+    try:
+        real = engine.engine.add_request
+
+        def faulty(prompt, params, request_id):
+            if request_id == "victim":
+                raise InjectedFault("add")
+            return real(prompt, params, request_id)
+
+        monkeypatch.setattr(engine.engine, "add_request", faulty)
+        other = asyncio.create_task(collect(engine, [4, 5, 6], SHORT, "other"))
+        with pytest.raises(RequestFailedError):
+            await collect(engine, [1, 2, 3], SHORT, "victim")
+        assert (await other)[-1].num_output_tokens == 6
+        assert engine.is_alive
+    finally:
+        await engine.close()
+
+
+async def test_a_call_cancelled_before_it_runs_does_not_kill_the_loop(
+        loaded: LoadedModel) -> None:
+    """Its future is cancelled: setting its result used to raise in the worker and end it."""
+    engine = AsyncLLMEngine(build(loaded))
+    await engine.start()
+    try:
+        gate, inside = threading.Event(), threading.Event()
+
+        def hold(_: LLMEngine) -> bool:
+            inside.set()
+            return gate.wait(10)
+
+        blocker = asyncio.create_task(engine.call(hold))
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        ran: list[int] = []
+        gone = asyncio.create_task(engine.call(lambda e: ran.append(1)))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gate.set()
+        assert await blocker
+        assert await engine.call(lambda e: 2) == 2 and engine.is_alive and ran == []
+    finally:
+        await engine.close()
+
+
+async def test_a_crashed_loop_is_restarted_and_later_requests_work(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = ReferenceModel(loaded.config, loaded.weights)
+    engine = AsyncLLMEngine(build(loaded), SupervisorConfig(max_restarts=3, backoff_s=0.3))
+    await engine.start()
+    try:
+        streams = [engine.generate([7, 8, 9 + i], LONG, f"long{i}") for i in range(2)]
+        for stream in streams:
+            assert not (await anext(stream)).finished
+        # A fault in this scheduler object (the rebuilt engine gets a fresh one).
+        monkeypatch.setattr(engine.engine.scheduler, "schedule", fail_always)
+        for stream in streams:
+            with pytest.raises(RequestFailedError) as caught:
+                async for _ in stream:
+                    pass
+            assert isinstance(caught.value.__cause__, InjectedFault)
+        live = engine.liveness()
+        assert (live.state, live.restarts) == (EngineState.RESTARTING, 0)
+        assert live.reason is not None and "InjectedFault" in live.reason
+        later = await collect(engine, [1, 2, 3], SHORT, "later")  # queued over the restart
+        assert [t for o in later for t in o.new_token_ids] == ref.greedy_generate([1, 2, 3], 6,
+                                                                                  ())
+        live = engine.liveness()
+        assert (live.state, live.restarts) == (EngineState.ALIVE, 1) and engine.is_alive
+        await engine.call(lambda e: e.check_integrity())
+        assert (await engine.stats()).num_running == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_crash_loop_ends_in_a_dead_engine_that_says_why(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = AsyncLLMEngine(build(loaded), SupervisorConfig(max_restarts=2, backoff_s=0.01))
+    await engine.start()
+    try:
+        monkeypatch.setattr(engine.engine.scheduler, "schedule", fail_always)
+        monkeypatch.setattr(engine.engine, "rebuild", fail_always)  # every restart crashes
+        with pytest.raises(RequestFailedError):
+            await collect(engine, [1, 2, 3], SHORT, "a")
+        await wait_for_state(engine, EngineState.DEAD)
+        live = engine.liveness()
+        assert live.restarts == 2 and not live.alive and "InjectedFault" in (live.reason or "")
+        with pytest.raises(EngineDeadError, match="dead"):
+            await engine.stats()
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [1, 2, 3], SHORT, "b")
+    finally:
+        await engine.close()
+    assert engine.liveness().state is EngineState.DEAD

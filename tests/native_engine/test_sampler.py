@@ -1,12 +1,25 @@
-"""Sampler: greedy, temperature, top-k, top-p, seeded reproducibility, logprobs; params checks."""
+"""Sampler: greedy, temperature, top-k, top-p, seeded reproducibility, logprobs; params checks;
+no accepted parameter and no logits row (inf, NaN) makes it fail (issue 11)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from native_engine.request import SamplingParams
-from native_engine.sampler import filter_logits, sample
+from native_engine.request import (
+    MIN_TEMPERATURE,
+    SAMPLING_EPS,
+    SamplingParamError,
+    SamplingParams,
+)
+from native_engine.sampler import LOGPROB_FLOOR, filter_logits, sample
+
+INF, NAN = float("inf"), float("nan")
 
 
 def test_greedy_takes_argmax_lowest_id_on_ties() -> None:
@@ -61,8 +74,103 @@ def test_logprobs_are_raw_and_topk_sorted() -> None:
     ],
 )
 def test_bad_params_are_refused(kwargs: dict) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(SamplingParamError) as caught:
         SamplingParams(**kwargs)
+    assert caught.value.param == next(iter(kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"seed": 2**64}, {"seed": -(2**63) - 1}, {"temperature": 10**400}, {"top_p": 10**400},
+        {"temperature": True}, {"stop": 5}, {"stop_token_ids": 7.5},
+    ],
+)
+def test_params_the_engine_cannot_honour_are_refused_by_name(kwargs: dict) -> None:
+    """Each of these used to pass and then fail inside the engine (seed in torch's generator,
+    a huge int in the float maths) or raise a TypeError."""
+    with pytest.raises(SamplingParamError) as caught:
+        SamplingParams(**kwargs)
+    assert caught.value.param == next(iter(kwargs))
+
+
+def test_temperatures_follow_vllms_epsilon_and_floor() -> None:
+    for t in (0, 1e-45, 5e-324, SAMPLING_EPS / 2):
+        p = SamplingParams(temperature=t, top_k=3, top_p=0.5)
+        assert p.greedy and (p.top_k, p.top_p) == (0, 1.0)
+    for t in (SAMPLING_EPS, 1e-3, MIN_TEMPERATURE / 2):
+        p = SamplingParams(temperature=t)
+        assert not p.greedy and p.temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=0.7).temperature == 0.7
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+
+
+def test_sub_epsilon_temperature_samples_the_argmax() -> None:
+    """The issue's request: `logits / 1e-45` overflowed and multinomial raised."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    out = sample(logits, [SamplingParams(temperature=1e-45, logprobs=1)], [None])[0]
+    assert out.token_id == 1 and math.isfinite(out.logprob)
+
+
+def test_non_finite_rows_fall_back_to_the_argmax() -> None:
+    rows = torch.tensor([[NAN, 1.0, NAN], [-INF, -INF, -INF], [NAN, NAN, NAN],
+                         [1.0, INF, INF], [3e38, -3e38, 0.0]])
+    hot = SamplingParams(temperature=MIN_TEMPERATURE, logprobs=2)
+    out = sample(rows, [hot] * len(rows), [None] * len(rows))
+    assert [s.token_id for s in out][:2] == [1, 0]
+    assert out[3].token_id in (1, 2) and out[4].token_id == 0
+    for s in out:
+        assert math.isfinite(s.logprob) and s.logprob >= LOGPROB_FLOOR
+        assert all(math.isfinite(lp) for _, lp in s.top_logprobs)
+
+
+def test_huge_temperature_is_uniform_over_finite_tokens() -> None:
+    logits = torch.tensor([[0.0, 5.0, 10.0, -INF]])
+    p = SamplingParams(temperature=1e300, seed=1)
+    g = torch.Generator().manual_seed(1)
+    counts = torch.bincount(torch.tensor([sample(logits, [p], [g])[0].token_id
+                                          for _ in range(1500)]), minlength=4)
+    assert counts[3] == 0 and torch.allclose(counts[:3].float() / 1500, torch.full((3,), 1 / 3),
+                                             atol=0.05)
+
+
+any_float = st.floats(allow_nan=True, allow_infinity=True)
+row_values = st.one_of(any_float, st.sampled_from([INF, -INF, NAN, 0.0, 3.4e38, -3.4e38]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 4).flatmap(lambda n: st.integers(1, 12).flatmap(
+        lambda v: st.lists(st.lists(row_values, min_size=v, max_size=v), min_size=n,
+                           max_size=n))),
+    temperature=st.one_of(any_float, st.integers(-5, 10**400)),
+    top_p=st.one_of(any_float, st.integers(-2, 2)),
+    top_k=st.one_of(st.integers(-3, 40), st.integers(min_value=2**62)),
+    logprobs=st.one_of(st.none(), st.integers(-1, 25)),
+    seed=st.one_of(st.none(), st.integers(-(2**65), 2**65)),
+)
+def test_sampler_never_fails_on_accepted_params(rows: list[list[float]], temperature: object,
+                                                top_p: object, top_k: int,
+                                                logprobs: int | None, seed: int | None) -> None:
+    """Arbitrary floats and ints: SamplingParams refuses by name or sampling always returns
+    a valid token id with finite logprobs."""
+    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs,
+                  seed=seed)
+    try:
+        params = SamplingParams(**kwargs)  # type: ignore[arg-type]
+    except SamplingParamError as exc:
+        assert exc.param in {f.name for f in dataclasses.fields(SamplingParams)}
+        return
+    logits = torch.tensor(rows, dtype=torch.float32)
+    mixed = [params, dataclasses.replace(params, temperature=0.0)][: len(rows)]
+    mixed += [params] * (len(rows) - len(mixed))
+    gens = [None if seed is None else torch.Generator().manual_seed(seed)] * len(rows)
+    for batch in ([params] * len(rows), mixed):
+        for s in sample(logits, batch, gens):
+            assert 0 <= s.token_id < logits.shape[1]
+            if s.logprob is not None:
+                assert math.isfinite(s.logprob)
+                assert all(math.isfinite(lp) for _, lp in s.top_logprobs or ())
 
 
 def test_params_normalise() -> None:

@@ -16,8 +16,6 @@ from adapters.vllm.metrics import serving_metrics, snapshot_from_text
 from native_engine.engine import EngineStats
 from native_engine.serve.metrics import CacheInfo, ServerMetrics
 from native_engine.serve.openai_api import (
-    ChatBody,
-    CompletionBody,
     check_model,
     parse_json,
     sampling_params,
@@ -25,6 +23,7 @@ from native_engine.serve.openai_api import (
 )
 from native_engine.serve.server import ServerConfig, build_parser, config_from_args
 from schemas.engine import EngineError
+from schemas.openai import ChatRequest, CompletionRequest
 
 from ..conftest import VECTORS
 
@@ -98,18 +97,21 @@ def test_sampling_params_follow_vllm_defaults_and_limits() -> None:
     chat = validate_body("chat", {"messages": [{"role": "user", "content": "x"}],
                                   "logprobs": True, "top_logprobs": 3, "priority": -2,
                                   "stop": "END", "cache_salt": "t1"})
-    assert isinstance(chat, ChatBody)
+    assert isinstance(chat, ChatRequest)
     p = sampling_params(chat, 10, 100, (2,), priority_enabled=True)
     assert (p.max_tokens, p.logprobs, p.priority, p.stop, p.namespace) == (90, 3, -2, ("END",),
                                                                            "t1")
     assert 2 in p.stop_token_ids
     comp = validate_body("completions", {"prompt": [1, 2], "priority": 5, "ignore_eos": True})
-    assert isinstance(comp, CompletionBody)
+    assert isinstance(comp, CompletionRequest)
     p = sampling_params(comp, 2, 100, (), priority_enabled=False)
     assert (p.max_tokens, p.priority, p.ignore_eos, p.logprobs) == (16, 0, True, None)
     assert error_of(sampling_params, comp, 100, 100, (), True).param == "input_tokens"
+    # vLLM 0.32 clamps max_tokens to the room the prompt leaves (its get_max_tokens).
     big = validate_body("completions", {"prompt": "x", "max_tokens": 99})
-    assert error_of(sampling_params, big, 2, 100, (), True).param == "max_tokens"
+    assert sampling_params(big, 2, 100, (), True).max_tokens == 98
+    zero = validate_body("completions", {"prompt": "x", "max_tokens": 0})
+    assert error_of(sampling_params, zero, 2, 100, (), True).param == "max_tokens"
 
 
 @settings(max_examples=100, deadline=None)

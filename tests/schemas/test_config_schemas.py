@@ -92,8 +92,8 @@ def test_real_configs_validate_and_load(text: str) -> None:
     check_tenants_unique(tenants)
     for mine, theirs in zip(tenants, loaded.tenants, strict=True):
         assert dataclasses.astuple(mine) == dataclasses.astuple(theirs)
-        assert mine.to_toml_dict() == {**{"class": "standard", "max_concurrency": 16,
-                                          "max_tokens": 2048}, **_raw_tenant(raw, mine.id)}
+        assert mine.to_toml_dict() == {**{"class": "standard", "max_concurrency": 16},
+                                       **_raw_tenant(raw, mine.id)}
     declare = CapabilityDeclaration(**raw["engine"]["declare"])
     validate("capability_declaration", declare)
     assert dataclasses.astuple(declare) == dataclasses.astuple(loaded.engine.declare)

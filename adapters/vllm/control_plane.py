@@ -1,0 +1,94 @@
+"""The control-plane client of a ridden vLLM: `/health`, `/v1/models`, `/metrics`.
+
+Its own httpx client, small pool and explicit timeouts, so a stalled `/metrics` can never
+hold a connection the generation path needs. Each call is single-flight (concurrent callers
+share one upstream request) and its answer is kept for a short TTL, so a flood of health
+checks or model listings reaches the engine at most once per TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import httpx
+
+from .urls import EngineURLs
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneConfig:
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 5.0
+    max_connections: int = 4
+    health_ttl_s: float = 1.0
+    models_ttl_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if min(self.connect_timeout_s, self.read_timeout_s) <= 0 or self.max_connections < 1:
+            raise ValueError("timeouts must be positive and max_connections >= 1")
+        if min(self.health_ttl_s, self.models_ttl_s) < 0:
+            raise ValueError("TTLs must be >= 0")
+
+
+class SingleFlight(Generic[T]):
+    """One call in flight at a time; its result (or error) served for `ttl_s` after."""
+
+    def __init__(self, call: Callable[[], Awaitable[T]], ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._call, self._ttl_s, self._clock = call, ttl_s, clock
+        self._pending: asyncio.Future[T] | None = None
+        self._done_at = float("-inf")
+
+    async def get(self) -> T:
+        fresh = self._clock() - self._done_at < self._ttl_s
+        if self._pending is None or not (fresh or not self._pending.done()):
+            self._pending = asyncio.ensure_future(self._run())
+        return await asyncio.shield(self._pending)
+
+    async def _run(self) -> T:
+        try:
+            return await self._call()
+        finally:
+            self._done_at = self._clock()
+
+
+class ControlPlane:
+    def __init__(self, urls: EngineURLs, headers: dict[str, str],
+                 config: ControlPlaneConfig | None = None) -> None:
+        self.urls = urls
+        self.config = config or ControlPlaneConfig()
+        c = self.config
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=c.connect_timeout_s, read=c.read_timeout_s,
+                                  write=c.read_timeout_s, pool=c.read_timeout_s),
+            limits=httpx.Limits(max_connections=c.max_connections),
+            headers=headers, follow_redirects=False, trust_env=False)
+        self._health = SingleFlight(self._get_health, c.health_ttl_s)
+        self._models = SingleFlight(self._get_models, c.models_ttl_s)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def healthy(self) -> bool:
+        return await self._health.get()
+
+    async def models(self) -> httpx.Response:
+        return await self._models.get()
+
+    async def _get_health(self) -> bool:
+        endpoint = self.urls.health()
+        try:
+            response = await self.client.request(endpoint.method, endpoint.url)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def _get_models(self) -> httpx.Response:
+        endpoint = self.urls.models()
+        return await self.client.request(endpoint.method, endpoint.url)

@@ -1,0 +1,190 @@
+"""Relaying an engine's answer to the client: one state machine for streams, one call for
+whole responses, and the accounting of both.
+
+A stream is PENDING until the first byte goes out: until then an error is answered with its
+own status and body. Waiting for the engine's first chunk, SSE comments keep the connection
+alive every `keepalive_s`; the first comment opens the stream. Once OPEN, every failure —
+an engine error, a broken upstream, a bug — leaves as one SSE error event and `[DONE]`, never
+as a second status line. A client that goes away cancels the handler: the pending read of
+the engine iterator is cancelled and awaited before the iterator is closed (which aborts the
+engine request), so the iterator is never closed while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from governor.errors import internal_error
+from governor.http.common import error_response
+from governor.state import Governor
+from schemas.engine import APIError, EngineRequest, StreamChunk, Usage
+
+log = logging.getLogger("fak.relay")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+class Relay:
+    """One accepted request: its tenant, timings and accounting, as plain fields."""
+
+    def __init__(self, gov: Governor, tenant: str, route: str) -> None:
+        self.gov, self.tenant, self.route = gov, tenant, route
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self.usage: Usage | None = None
+        self.outcome: str | None = None
+
+    def saw(self, chunk: StreamChunk) -> None:
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if self.first_token_at is None and chunk.data and chunk.data.get("choices"):
+            self.first_token_at = time.monotonic()
+
+    @property
+    def tokens(self) -> int:
+        return 0 if self.usage is None else self.usage.total_tokens
+
+    def finish(self, outcome: str) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        m = self.gov.metrics
+        m.requests.labels(self.tenant, self.route, outcome).inc()
+        m.e2e.labels(self.tenant).observe(time.monotonic() - self.started)
+        if self.first_token_at is not None:
+            m.ttft.labels(self.tenant).observe(self.first_token_at - self.started)
+        if self.usage is not None:
+            m.prompt_tokens.labels(self.tenant).inc(self.usage.prompt_tokens)
+            m.completion_tokens.labels(self.tenant).inc(self.usage.completion_tokens)
+            m.cached_tokens.labels(self.tenant).inc(self.usage.cached_tokens or 0)
+
+
+def sse_event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_chunk(chunk: StreamChunk) -> bytes:
+    if chunk.raw is not None:
+        return b"data: " + chunk.raw.encode() + b"\n\n"
+    return sse_event(chunk.data or {})
+
+
+def _usage_only(chunk: StreamChunk) -> bool:
+    return chunk.data is not None and chunk.data.get("choices") == [] and "usage" in chunk.data
+
+
+class SSEStream:
+    """The client side of one stream: PENDING (no byte sent) or OPEN."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.response is not None
+
+    async def send(self, data: bytes) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(headers=SSE_HEADERS)
+            await self.response.prepare(self.request)
+        await self.response.write(data)
+
+    async def fail(self, err: APIError) -> web.StreamResponse:
+        """The error as the answer (PENDING) or as a last event and [DONE] (OPEN)."""
+        if self.response is None:
+            return error_response(err)
+        with contextlib.suppress(ConnectionError):
+            await self.response.write(sse_event(err.to_json()) + DONE)
+            await self.response.write_eof()
+        return self.response
+
+    async def close(self) -> web.StreamResponse:
+        if self.response is None:
+            await self.send(b"")
+        assert self.response is not None
+        await self.response.write_eof()
+        return self.response
+
+
+async def relay_stream(request: web.Request, relay: Relay, engine_request: EngineRequest,
+                       client_wants_usage: bool) -> web.StreamResponse:
+    gov = relay.gov
+    stream = SSEStream(request)
+    chunks = gov.driver.generate(engine_request)
+    pending: asyncio.Future[StreamChunk | None] | None = None
+    try:
+        pending = asyncio.ensure_future(anext(chunks, None))
+        chunk = await _first(pending, stream, gov.config.server.keepalive_s)
+        pending = None
+        while chunk is not None:
+            relay.saw(chunk)
+            if chunk.done:
+                await stream.send(DONE)
+            elif client_wants_usage or not _usage_only(chunk):
+                await stream.send(sse_chunk(chunk))
+            chunk = await anext(chunks, None)
+    except APIError as err:
+        relay.finish("engine_error")
+        return await stream.fail(err)
+    except (asyncio.CancelledError, ConnectionError):
+        relay.finish("client_disconnect")
+        raise
+    except Exception:
+        log.exception("stream relay failed for tenant %s", relay.tenant)
+        relay.finish("error")
+        return await stream.fail(internal_error())
+    finally:
+        await _settle(pending)
+        await chunks.aclose()
+    relay.finish("ok")
+    return await stream.close()
+
+
+async def _first(pending: asyncio.Future[StreamChunk | None], stream: SSEStream,
+                 keepalive_s: float) -> StreamChunk | None:
+    """The engine's first chunk; past `keepalive_s` the stream opens with comments."""
+    while True:
+        done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+        if done:
+            return pending.result()
+        await stream.send(KEEPALIVE)
+
+
+async def _settle(pending: asyncio.Future[Any] | None) -> None:
+    """Cancel a read still running and wait until it has stopped."""
+    if pending is None or pending.done():
+        if pending is not None and not pending.cancelled():
+            pending.exception()  # retrieved: no "exception never retrieved" warning
+        return
+    pending.cancel()
+    with contextlib.suppress(BaseException):
+        await pending
+
+
+async def relay_once(relay: Relay, engine_request: EngineRequest) -> web.Response:
+    chunks: AsyncIterator[StreamChunk] = relay.gov.driver.generate(engine_request)
+    try:
+        chunk = await anext(chunks)
+    except APIError as err:
+        relay.finish("engine_error")
+        return error_response(err)
+    except asyncio.CancelledError:
+        relay.finish("client_disconnect")
+        raise
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    relay.saw(chunk)
+    relay.finish("ok")
+    if chunk.raw is not None:
+        return web.Response(text=chunk.raw, content_type="application/json")
+    return web.json_response(chunk.data)
