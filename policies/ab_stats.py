@@ -86,7 +86,7 @@ def coefficient_of_variation(values: Sequence[float]) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class RatioInterval:
-    """B/A: the point estimate over all samples and the bootstrap interval."""
+    """B/A (or B − A): the point estimate over all samples and the bootstrap interval."""
 
     estimate: float
     low: float
@@ -111,6 +111,37 @@ def _resample_pooled(blocks: Sequence[Sequence[float]], picks: Sequence[int],
     return pooled
 
 
+def _paired_bootstrap(a_blocks: Sequence[Sequence[float]], b_blocks: Sequence[Sequence[float]],
+                      statistic: Statistic, rng: random.Random, resamples: int, level: float,
+                      combine: Callable[[float, float], float | None]) -> RatioInterval | None:
+    if len(a_blocks) != len(b_blocks):
+        raise ValueError("paired blocks: both arms need the same number of blocks")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be within (0, 1), got {level}")
+    if resamples < 100:
+        raise ValueError("use at least 100 bootstrap resamples")
+    pairs = [(a, b) for a, b in zip(a_blocks, b_blocks, strict=True) if a and b]
+    if len(pairs) < 2:
+        return None
+    estimate = combine(statistic([v for a, _ in pairs for v in a]),
+                       statistic([v for _, b in pairs for v in b]))
+    if estimate is None:
+        return None
+    a_side, b_side = [a for a, _ in pairs], [b for _, b in pairs]
+    draws = []
+    for _ in range(resamples):
+        picks = [rng.randrange(len(pairs)) for _ in range(len(pairs))]
+        value = combine(statistic(_resample_pooled(a_side, picks, rng)),
+                        statistic(_resample_pooled(b_side, picks, rng)))
+        if value is not None:
+            draws.append(value)
+    if len(draws) < resamples // 2:
+        return None
+    tail = (1.0 - level) / 2.0 * 100.0
+    return RatioInterval(estimate, percentile(draws, tail), percentile(draws, 100.0 - tail),
+                         level, resamples)
+
+
 def paired_bootstrap_ratio(
     a_blocks: Sequence[Sequence[float]],
     b_blocks: Sequence[Sequence[float]],
@@ -121,35 +152,22 @@ def paired_bootstrap_ratio(
 ) -> RatioInterval | None:
     """Interval of statistic(B) / statistic(A) by the two-stage paired bootstrap (module
     docstring). Block i of each arm is one pair; a pair with an empty side is dropped.
-    None when fewer than two pairs remain or a statistic is zero (no ratio exists)."""
-    if len(a_blocks) != len(b_blocks):
-        raise ValueError("paired blocks: both arms need the same number of blocks")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be within (0, 1), got {level}")
-    if resamples < 100:
-        raise ValueError("use at least 100 bootstrap resamples")
-    pairs = [(a, b) for a, b in zip(a_blocks, b_blocks, strict=True) if a and b]
-    if len(pairs) < 2:
-        return None
-    a_all = [v for a, _ in pairs for v in a]
-    b_all = [v for _, b in pairs for v in b]
-    base = statistic(a_all)
-    if base == 0:
-        return None
-    estimate = statistic(b_all) / base
-    a_side, b_side = [a for a, _ in pairs], [b for _, b in pairs]
-    ratios = []
-    for _ in range(resamples):
-        picks = [rng.randrange(len(pairs)) for _ in range(len(pairs))]
-        a_stat = statistic(_resample_pooled(a_side, picks, rng))
-        b_stat = statistic(_resample_pooled(b_side, picks, rng))
-        if a_stat > 0:
-            ratios.append(b_stat / a_stat)
-    if len(ratios) < resamples // 2:
-        return None
-    tail = (1.0 - level) / 2.0 * 100.0
-    return RatioInterval(estimate, percentile(ratios, tail), percentile(ratios, 100.0 - tail),
-                         level, resamples)
+    None when fewer than two pairs remain or A's statistic is zero (no ratio exists)."""
+    return _paired_bootstrap(a_blocks, b_blocks, statistic, rng, resamples, level,
+                             lambda a, b: b / a if a > 0 else None)
+
+
+def paired_bootstrap_difference(
+    a_blocks: Sequence[Sequence[float]],
+    b_blocks: Sequence[Sequence[float]],
+    statistic: Statistic,
+    rng: random.Random,
+    resamples: int = 2000,
+    level: float = 0.95,
+) -> RatioInterval | None:
+    """The same bootstrap for statistic(B) − statistic(A) (e.g. a proxy's added latency)."""
+    return _paired_bootstrap(a_blocks, b_blocks, statistic, rng, resamples, level,
+                             lambda a, b: b - a)
 
 
 @dataclass(frozen=True, slots=True)

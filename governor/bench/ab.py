@@ -27,7 +27,7 @@ from typing import Any
 
 from governor.bench import analysis, artifact, plots, report, vllm_results
 from governor.bench.client import open_session
-from governor.bench.config import ABConfig, ArmSpec, Level, jsonable
+from governor.bench.config import ABConfig, ArmSpec, Level, WorkloadConfig, jsonable
 from governor.bench.governor_proc import running_governor
 from governor.bench.probe import ArmIdentity, LogWatch, compile_facts, identify
 from governor.bench.runner import ArmHandle, LevelRun, run_level
@@ -84,7 +84,7 @@ def _sequential_guard(decision: ABDecision, order: str) -> ABDecision:
                       decision.warm_gate)
 
 
-async def _open_arms(specs: Sequence[ArmSpec], config: ABConfig, keys: list[str], gov: Any,
+async def open_arms(specs: Sequence[ArmSpec], config: ABConfig, keys: list[str], gov: Any,
                      front_tokens: int) -> list[ArmHandle]:
     """Sessions and identities; a governor arm reports the engine its config forwards to
     and inherits that engine's compile facts when the engine is an arm too."""
@@ -127,9 +127,9 @@ def write_plan(config: ABConfig, run_id: str, handles: Sequence[ArmHandle], mode
     return plan, hashlib.sha256(text.encode()).hexdigest()
 
 
-def _workload_facts(config: ABConfig, level: Level, run_id: str, sha: str, model: str,
-                    requests: int) -> dict[str, Any]:
-    w = config.workload
+def _workload_facts(config: ABConfig, phase: Phase, run_id: str, sha: str, model: str
+                    ) -> dict[str, Any]:
+    w, level, requests = phase.workload, phase.level, phase.requests
     return {"name": w.name, "input_len": w.input_len, "output_len": w.output_len,
             "range_ratio": w.range_ratio, "prefix_len": w.prefix_len,
             "num_prefixes": w.num_prefixes, "turns": w.turns, "level": level.label,
@@ -137,11 +137,11 @@ def _workload_facts(config: ABConfig, level: Level, run_id: str, sha: str, model
             "burstiness": config.burstiness, "requests_per_block": requests,
             "blocks_per_arm": config.blocks, "order": config.order, "seed": config.seed,
             "run_id": run_id, "plan_sha256": sha, "model": model, "endpoint": "/v1/completions",
-            "stream": True, "ignore_eos": True, "temperature": 0}
+            "stream": level.stream, "ignore_eos": True, "temperature": 0}
 
 
 def analyse_level(run: LevelRun, handles: Sequence[ArmHandle], config: ABConfig,
-                  rng: random.Random, gate: ABGateConfig
+                  rng: random.Random, gate: ABGateConfig, metric: str
                   ) -> tuple[report.LevelReport, dict[str, Any], dict[str, Any]]:
     results = {h.name: analysis.arm_result(h.name, run.arm_blocks(h.name),
                                            run.warmups[h.name].cached_beyond_bound,
@@ -152,73 +152,108 @@ def analyse_level(run: LevelRun, handles: Sequence[ArmHandle], config: ABConfig,
     base = handles[0]
     pairs = []
     for other in handles[1:]:
-        pair = analysis.compare_pair(run, base, other, states, results, config.metric, rng,
+        pair = analysis.compare_pair(run, base, other, states, results, metric, rng,
                                      config.bootstrap_resamples, gate)
         pairs.append(replace(pair, decision=_sequential_guard(pair.decision, config.order)))
     classes = {n: classify_arm(ArmWarmState(n, s)).classification.value
                for n, s in states.items()}
-    return report.LevelReport(run.level.label, results, classes, pairs), states, sources
+    return (report.LevelReport(run.level.label, results, classes, pairs, metric), states,
+            sources)
 
 
 async def run_ab(config: ABConfig) -> Outcome:
     keys = api_keys(config.api_key_env)
     run_id = config.run_id or secrets.token_hex(8)
     host = artifact.host_facts()
-    rng = random.Random(config.seed)
-    gate = ABGateConfig(max_cv=config.max_cv)
     tok = await asyncio.to_thread(load_tokenizer, config.tokenizer)
     with arms_with_governor(config) as (specs, gov):
-        handles = await _open_arms(specs, config, keys, gov, tok.front_tokens)
+        handles = await open_arms(specs, config, keys, gov, tok.front_tokens)
         try:
-            return await _measure(config, handles, keys, run_id, host, rng, gate, tok)
+            measured = await measure(config, ab_phases(config), handles, keys, run_id, host,
+                                     tok)
         finally:
             for h in handles:
                 await h.session.close()
+    return finish(config, measured, f"fak bench ab — {config.workload.name}")
 
 
-async def _measure(config: ABConfig, handles: list[ArmHandle], keys: list[str], run_id: str,
-                   host: dict[str, Any], rng: random.Random, gate: ABGateConfig,
-                   tok: Any) -> Outcome:
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One measured load point with its own workload (ab: one per level; the overhead
+    bench: latency, TTFT and throughput points)."""
+
+    level: Level
+    workload: WorkloadConfig
+    requests: int
+    warmups: int
+    metric: str | None = None  # the compared figure; None: the config's
+
+
+def ab_phases(config: ABConfig) -> list[Phase]:
+    return [Phase(lv, config.workload, config.requests_for(lv), config.warmup_for(lv))
+            for lv in config.levels()]
+
+
+@dataclass
+class Measured:
+    """Every phase's runs and reports, with the plan they were registered under."""
+
+    handles: list[ArmHandle]
+    runs: list[LevelRun]
+    reports: list[report.LevelReport]
+    artifacts: list[Path]
+    plan: dict[str, Any]
+    sha: str
+    model: str
+    run_id: str
+    tokenizer: str
+
+
+async def measure(config: ABConfig, phases: Sequence[Phase], handles: list[ArmHandle],
+                  keys: list[str], run_id: str, host: dict[str, Any], tok: Any) -> Measured:
     model = config.model or next((h.identity.model for h in handles if h.identity.model),
                                  None)
     if model is None:
         raise RuntimeError("no arm named its model on /v1/models; give --model")
     plan, sha = write_plan(config, run_id, handles, model, tok.source, host)
-    generator = WorkloadGenerator(config.workload, tok, config.seed, run_id, max(1, len(keys)))
-    levels = config.levels()
-    total = sum(len(handles) * (config.warmup_for(lv) + config.blocks * config.requests_for(lv))
-                for lv in levels)
+    rng = random.Random(config.seed)
+    gate = ABGateConfig(max_cv=config.max_cv)
+    total = sum(len(handles) * (p.warmups + config.blocks * p.requests) for p in phases)
     update, close = _progress(total, config.progress)
     runs, level_reports, artifacts_out = [], [], []
     try:
-        for level in levels:
-            run = await run_level(handles, generator, level, model, config.requests_for(level),
-                                  config.warmup_for(level), config.blocks, config.burstiness,
-                                  rng, config.order, update)
+        for phase in phases:
+            generator = WorkloadGenerator(phase.workload, tok, config.seed, run_id,
+                                          max(1, len(keys)))
+            run = await run_level(handles, generator, phase.level, model, phase.requests,
+                                  phase.warmups, config.blocks, config.burstiness, rng,
+                                  config.order, update)
             runs.append(run)
-            lrep, states, sources = analyse_level(run, handles, config, rng, gate)
+            lrep, states, sources = analyse_level(run, handles, config, rng, gate,
+                                                  phase.metric or config.metric)
             level_reports.append(lrep)
-            artifacts_out += _write_artifacts(config, lrep, states, sources, handles, host,
-                                              run_id, sha, model, level)
+            artifacts_out += _write_artifacts(config, phase, lrep, states, sources, handles,
+                                              host, run_id, sha, model)
     finally:
         close()
-    return _finish(config, handles, runs, level_reports, artifacts_out, plan, sha, model,
-                   tok.source, run_id)
+    return Measured(handles, runs, level_reports, artifacts_out, plan, sha, model, run_id,
+                    tok.source)
 
 
 def _arm_config(h: ArmHandle, source: str) -> dict[str, Any]:
     return {"url": h.url, **h.identity.facts(), "compile_source": source}
 
 
-def _write_artifacts(config: ABConfig, lrep: report.LevelReport, states: dict[str, Any],
-                     sources: dict[str, str], handles: Sequence[ArmHandle],
-                     host: dict[str, Any], run_id: str, sha: str, model: str,
-                     level: Level) -> list[Path]:
+def _write_artifacts(config: ABConfig, phase: Phase, lrep: report.LevelReport,
+                     states: dict[str, Any], sources: dict[str, str],
+                     handles: Sequence[ArmHandle], host: dict[str, Any], run_id: str, sha: str,
+                     model: str) -> list[Path]:
     arm_config = {h.name: _arm_config(h, sources[h.name]) for h in handles}
-    workload = _workload_facts(config, level, run_id, sha, model, config.requests_for(level))
+    level = phase.level
+    workload = _workload_facts(config, phase, run_id, sha, model)
     out = []
     for pair in lrep.pairs:
-        doc = artifact.build_artifact(pair, config.metric, lrep.arms, states, arm_config,
+        doc = artifact.build_artifact(pair, lrep.metric, lrep.arms, states, arm_config,
                                       {**host, "load_average_end": artifact.load_average()},
                                       workload)
         path = config.out / "artifacts" / f"ab-{level.label}-{pair.b}-vs-{pair.a}.json"
@@ -227,13 +262,15 @@ def _write_artifacts(config: ABConfig, lrep: report.LevelReport, states: dict[st
     return out
 
 
-def _finish(config: ABConfig, handles: Sequence[ArmHandle], runs: Sequence[LevelRun],
-            level_reports: Sequence[report.LevelReport], artifacts_out: list[Path],
-            plan: dict[str, Any], sha: str, model: str, tokenizer: str,
-            run_id: str) -> Outcome:
+def finish(config: ABConfig, m: Measured, title: str, extra: Sequence[str] = (),
+           load_levels: Sequence[int] | None = None) -> Outcome:
+    """vLLM-format results, plots and the report. `load_levels`: which phases the
+    against-load plots draw (default all)."""
+    handles, runs, level_reports, plan, sha = m.handles, m.runs, m.reports, m.plan, m.sha
     blocks = [b for run in runs for b in run.blocks]
-    vllm_results.write_vllm_results(blocks, config.out, model, tokenizer, config.workload.name,
-                                    run_id, config.goodput, config.burstiness)
+    vllm_results.write_vllm_results(blocks, config.out, m.model, m.tokenizer,
+                                    config.workload.name, m.run_id, config.goodput,
+                                    config.burstiness)
     names = [h.name for h in handles]
     pngs = []
     for run, lrep in zip(runs, level_reports, strict=True):
@@ -247,19 +284,19 @@ def _finish(config: ABConfig, handles: Sequence[ArmHandle], runs: Sequence[Level
         pngs.append(plots.ecdf_plot(config.out / f"itl_ecdf-{lrep.label}.png",
                                     f"ITL ECDF, {config.workload.name} {lrep.label}{tag}",
                                     "ITL (ms)", itl))
-    levels = [run.level for run in runs]
     def ttft(n: str, q: str) -> list[float | None]:
         return [getattr(s, q) if (s := lr.arms[n].ttft) else None for lr in level_reports]
 
+    picked = list(load_levels) if load_levels is not None else list(range(len(runs)))
     pngs += plots.load_plots(
-        config.out, levels, names,
-        {n: [lr.arms[n].output_throughput for lr in level_reports] for n in names},
-        {n: ttft(n, "p50") for n in names}, {n: ttft(n, "p99") for n in names},
-        config.workload.name)
-    text = report.render(f"fak bench ab — {config.workload.name}", plan, sha, level_reports,
-                         config.metric, [p.name for p in pngs], artifact.load_average())
+        config.out, [runs[i].level for i in picked], names,
+        {n: [level_reports[i].arms[n].output_throughput for i in picked] for n in names},
+        {n: [ttft(n, "p50")[i] for i in picked] for n in names},
+        {n: [ttft(n, "p99")[i] for i in picked] for n in names}, title)
+    text = report.render(title, plan, sha, level_reports, [p.name for p in pngs],
+                         artifact.load_average(), extra)
     report_path = config.out / "report.md"
     report_path.write_text(text)
-    verdicts = report.verdict_lines(level_reports, config.metric)
+    verdicts = report.verdict_lines(level_reports)
     comparable = all(p.decision.claim_allowed for lr in level_reports for p in lr.pairs)
-    return Outcome(config.out, comparable, verdicts, artifacts_out, pngs, report_path)
+    return Outcome(config.out, comparable, verdicts, m.artifacts, pngs, report_path)

@@ -160,8 +160,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"fak bench: {exc}", file=sys.stderr)
         return 2
     from governor.bench.ab import run_ab
+    from governor.bench.governor_proc import GovernorStartError
 
-    outcome = asyncio.run(run_ab(config))
+    try:
+        outcome = asyncio.run(run_ab(config))
+    except GovernorStartError as exc:
+        print(f"fak bench: {exc}", file=sys.stderr)
+        return 2
     for line in outcome.verdicts:
         print(line)
     print(f"report: {outcome.report}")

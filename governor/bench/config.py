@@ -60,14 +60,18 @@ class ArmSpec:
 
 @dataclass(frozen=True, slots=True)
 class Level:
-    """One load point: a client concurrency cap and/or a request rate (None = burst)."""
+    """One load point: a client concurrency cap and/or a request rate (None = burst).
+    `tag` names what the point measures (the overhead bench has several); `stream`: false
+    sends non-streaming requests, whose whole answer is their latency."""
 
     concurrency: int | None
     request_rate: float | None
+    tag: str = ""
+    stream: bool = True
 
     @property
     def label(self) -> str:
-        parts = []
+        parts = [self.tag] if self.tag else []
         if self.concurrency is not None:
             parts.append(f"c{self.concurrency}")
         if self.request_rate is not None:

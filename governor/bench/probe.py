@@ -110,5 +110,8 @@ def compile_facts(identity: ArmIdentity, stated: str | None, compiled: bool | No
         rtc = compiled if compiled is not None else False
         return CompileCacheState.NOT_APPLICABLE, rtc, "server_info"
     if stated is not None:
-        return CompileCacheState(stated), compiled, "stated"
+        state = CompileCacheState(stated)
+        if state is CompileCacheState.NOT_APPLICABLE and compiled is None:
+            compiled = False  # stated: the engine has no compiler to run at request time
+        return state, compiled, "stated"
     return None, compiled, "not_observed"

@@ -26,6 +26,7 @@ class LevelReport:
     arms: dict[str, ArmResult]
     classes: dict[str, str]
     pairs: list[PairResult]
+    metric: str
 
 
 def _ms(s: Summary | None, attr: str) -> str:
@@ -60,9 +61,10 @@ def _ratio_table(pair: PairResult) -> list[str]:
     return lines
 
 
-def verdict_lines(levels: Sequence[LevelReport], metric: str) -> list[str]:
+def verdict_lines(levels: Sequence[LevelReport]) -> list[str]:
     lines = []
     for level in levels:
+        metric = level.metric
         for pair in level.pairs:
             iv = pair.intervals.get(metric)
             d = pair.decision
@@ -76,10 +78,12 @@ def verdict_lines(levels: Sequence[LevelReport], metric: str) -> list[str]:
 
 
 def render(title: str, plan: dict[str, Any], plan_sha256: str, levels: Sequence[LevelReport],
-           metric: str, plots: Sequence[str], load_end: str) -> str:
+           plots: Sequence[str], load_end: str, extra: Sequence[str] = ()) -> str:
+    """`extra`: Markdown lines placed after the verdicts (the overhead bench's figures)."""
     host = plan["host"]
     out = [f"# {title}", "", "## Verdicts", ""]
-    out += [f"- {line}" for line in verdict_lines(levels, metric)]
+    out += [f"- {line}" for line in verdict_lines(levels)]
+    out += ["", *extra] if extra else []
     out += ["", "## Plan (pre-registered)", "",
             f"- plan file `plan.json`, SHA-256 `{plan_sha256}`, run id `{plan['run_id']}`",
             f"- workload: `{plan['workload']}`; order {plan['config']['order']}, "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from governor.bench.client import RequestResult, stream_completion
+from governor.bench.client import RequestResult, complete_once, stream_completion
 from governor.bench.config import Level
 from governor.bench.probe import ArmIdentity, LogWatch
 from governor.bench.workloads import PlannedBlock, PlannedRequest, WorkloadGenerator
@@ -121,6 +121,7 @@ async def run_block(arm: ArmHandle, planned: PlannedBlock, level: Level, model: 
     """Run one block's sessions; returns results in `planned.requests` order, the block
     duration, the requests over the cache bound, and those that reported no cache figure."""
     slots = asyncio.Semaphore(level.concurrency or len(planned.sessions) or 1)
+    send = stream_completion if level.stream else complete_once
     requests = planned.requests
     results: list[RequestResult | None] = [None] * len(requests)
     starts = []
@@ -136,8 +137,7 @@ async def run_block(arm: ArmHandle, planned: PlannedBlock, level: Level, model: 
         queued = time.perf_counter()
         async with slots:
             arm.history.add(request.prompt_ids)
-            result = await stream_completion(arm.session, arm.url, model, request,
-                                             arm.headers(request))
+            result = await send(arm.session, arm.url, model, request, arm.headers(request))
         result.client_queue_time = result.start_time - queued
         if result.success:
             if result.cached_tokens is None:
