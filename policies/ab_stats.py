@@ -105,9 +105,7 @@ def _resample_pooled(blocks: Sequence[Sequence[float]], picks: Sequence[int],
                      rng: random.Random) -> list[float]:
     pooled: list[float] = []
     for i in picks:
-        block = blocks[i]
-        n = len(block)
-        pooled.extend(block[rng.randrange(n)] for _ in range(n))
+        pooled.extend(rng.choices(blocks[i], k=len(blocks[i])))
     return pooled
 
 
