@@ -1,7 +1,7 @@
 """Statistics of an A/B benchmark (docs/reference/benchmarking.md §1, §6 rule 7).
 
-Pure: no clocks, no I/O; randomness only through the `random.Random` the caller passes, so
-a seeded run gives the same interval twice.
+Pure: no clocks, no I/O; randomness only through the seeded `random.Random` the caller
+passes (`Rng`), so a seeded run gives the same interval twice.
 
 - `percentile` is numpy's default (linear interpolation between closest ranks), the one
   `vllm bench serve` reports.
@@ -20,9 +20,20 @@ a seeded run gives the same interval twice.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Rng(Protocol):
+    """What the bootstrap draws with: a seeded `random.Random` passed by the caller."""
+
+    def randrange(self, start: int, stop: int | None = ..., step: int = ...) -> int: ...
+
+    def choices(self, population: Sequence[T], *, k: int) -> list[T]: ...
+
 
 Statistic = Callable[[Sequence[float]], float]
 EXACT_KENDALL_MAX_N = 20
@@ -102,7 +113,7 @@ class RatioInterval:
 
 
 def _resample_pooled(blocks: Sequence[Sequence[float]], picks: Sequence[int],
-                     rng: random.Random) -> list[float]:
+                     rng: Rng) -> list[float]:
     pooled: list[float] = []
     for i in picks:
         pooled.extend(rng.choices(blocks[i], k=len(blocks[i])))
@@ -110,7 +121,7 @@ def _resample_pooled(blocks: Sequence[Sequence[float]], picks: Sequence[int],
 
 
 def _paired_bootstrap(a_blocks: Sequence[Sequence[float]], b_blocks: Sequence[Sequence[float]],
-                      statistic: Statistic, rng: random.Random, resamples: int, level: float,
+                      statistic: Statistic, rng: Rng, resamples: int, level: float,
                       combine: Callable[[float, float], float | None]) -> RatioInterval | None:
     if len(a_blocks) != len(b_blocks):
         raise ValueError("paired blocks: both arms need the same number of blocks")
@@ -144,7 +155,7 @@ def paired_bootstrap_ratio(
     a_blocks: Sequence[Sequence[float]],
     b_blocks: Sequence[Sequence[float]],
     statistic: Statistic,
-    rng: random.Random,
+    rng: Rng,
     resamples: int = 2000,
     level: float = 0.95,
 ) -> RatioInterval | None:
@@ -159,7 +170,7 @@ def paired_bootstrap_difference(
     a_blocks: Sequence[Sequence[float]],
     b_blocks: Sequence[Sequence[float]],
     statistic: Statistic,
-    rng: random.Random,
+    rng: Rng,
     resamples: int = 2000,
     level: float = 0.95,
 ) -> RatioInterval | None:
