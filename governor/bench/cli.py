@@ -72,7 +72,11 @@ def _add_ab(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-rate", type=_floats, help="req/s levels (gamma arrivals)")
     p.add_argument("--burstiness", type=float, help="gamma shape, 1 = Poisson")
     p.add_argument("--blocks", type=int, help=f"blocks per arm (default {AB_DEFAULTS['blocks']})")
-    p.add_argument("--requests-per-block", type=int, help="default max(8, 2 x concurrency)")
+    p.add_argument("--requests-per-block", type=int,
+                   help="default max(--min-requests, --requests-factor x concurrency)")
+    p.add_argument("--requests-factor", type=float,
+                   help=f"default {AB_DEFAULTS['requests_factor']}")
+    p.add_argument("--min-requests", type=int, help=f"default {AB_DEFAULTS['min_requests']}")
     p.add_argument("--warmup-requests", type=int, help="default max(2, concurrency)")
     p.add_argument("--seed", type=int)
     p.add_argument("--order", choices=("interleaved", "sequential"),
@@ -106,6 +110,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 WORKLOAD_FLAGS = ("input_len", "output_len", "prefix_len", "num_prefixes", "turns",
                   "range_ratio")
 AB_FLAGS = ("concurrency", "request_rate", "burstiness", "blocks", "requests_per_block",
+            "requests_factor", "min_requests",
             "warmup_requests", "seed", "order", "metric", "model", "api_key_env",
             "governor_arm", "request_timeout_s", "max_cv", "run_id")
 

@@ -113,6 +113,8 @@ class ABConfig:
     burstiness: float = 1.0
     blocks: int = 5
     requests_per_block: int | None = None
+    requests_factor: float = 2.0
+    min_requests: int = 8
     warmup_requests: int | None = None
     seed: int = 0
     order: Order = "interleaved"
@@ -149,6 +151,8 @@ class ABConfig:
         _check(self.blocks >= 2, "blocks must be ≥ 2 (5 or more for a claim)")
         _check(self.requests_per_block is None or self.requests_per_block >= 1,
                "requests_per_block must be ≥ 1")
+        _check(self.requests_factor > 0 and self.min_requests >= 1,
+               "requests_factor must be > 0 and min_requests ≥ 1")
         _check(self.warmup_requests is None or self.warmup_requests >= 1,
                "warmup_requests must be ≥ 1")
         _check(self.metric in METRICS, f"metric must be one of {', '.join(METRICS)}")
@@ -171,10 +175,11 @@ class ABConfig:
         return tuple(Level(c, r) for c in caps for r in self.request_rate)
 
     def requests_for(self, level: Level) -> int:
-        """Per block: given, else 2 × concurrency (at least 8); multi-turn counts turns."""
+        """Per block: given, else requests_factor × concurrency, at least min_requests
+        (multi-turn counts turns)."""
         if self.requests_per_block is not None:
             return self.requests_per_block
-        return max(8, 2 * (level.concurrency or 4))
+        return max(self.min_requests, round(self.requests_factor * (level.concurrency or 4)))
 
     def warmup_for(self, level: Level) -> int:
         return self.warmup_requests or max(2, level.concurrency or 2)

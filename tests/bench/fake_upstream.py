@@ -16,9 +16,10 @@ import asyncio
 import json
 import math
 import random
+import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -130,3 +131,24 @@ async def serving(*upstreams: FakeUpstream) -> AsyncIterator[list[str]]:
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+@contextmanager
+def serving_in_thread(*upstreams: FakeUpstream) -> Iterator[list[str]]:
+    """The same servers on an event loop in a background thread, for code that runs its
+    own loop (the `fak` command line)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    entered = serving(*upstreams)
+    try:
+        urls = asyncio.run_coroutine_threadsafe(entered.__aenter__(), loop).result(30)
+        try:
+            yield urls
+        finally:
+            asyncio.run_coroutine_threadsafe(entered.__aexit__(None, None, None),
+                                             loop).result(30)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
