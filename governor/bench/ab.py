@@ -153,7 +153,7 @@ def analyse_level(run: LevelRun, handles: Sequence[ArmHandle], config: ABConfig,
     pairs = []
     for other in handles[1:]:
         pair = analysis.compare_pair(run, base, other, states, results, metric, rng,
-                                     config.bootstrap_resamples, gate)
+                                     config.bootstrap_resamples, gate, config.ratios)
         pairs.append(replace(pair, decision=_sequential_guard(pair.decision, config.order)))
     classes = {n: classify_arm(ArmWarmState(n, s)).classification.value
                for n, s in states.items()}

@@ -163,10 +163,12 @@ class PairResult:
 
 def compare_pair(run: LevelRun, a: ArmHandle, b: ArmHandle,
                  states: dict[str, WarmState], results: dict[str, ArmResult], metric: str,
-                 rng: random.Random, resamples: int, gate: ABGateConfig) -> PairResult:
+                 rng: random.Random, resamples: int, gate: ABGateConfig,
+                 ratios: Sequence[str] = tuple(METRIC_SAMPLES)) -> PairResult:
+    """`ratios`: the figures to bootstrap (the compared `metric` always is)."""
     blocks_a, blocks_b = run.arm_blocks(a.name), run.arm_blocks(b.name)
-    intervals = {m: pair_interval(blocks_a, blocks_b, m, rng, resamples)
-                 for m in METRIC_SAMPLES}
+    wanted = [m for m in METRIC_SAMPLES if m in ratios or m == metric]
+    intervals = {m: pair_interval(blocks_a, blocks_b, m, rng, resamples) for m in wanted}
     drift = block_ratios(blocks_a, blocks_b, metric)
     facts = [ArmRunFacts(n, results[n].completed, results[n].failed,
                          results[n].output_tokens, results[n].cached_beyond_bound,

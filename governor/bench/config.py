@@ -128,6 +128,7 @@ class ABConfig:
     request_timeout_s: float = 1800.0
     max_cv: float = 0.10
     bootstrap_resamples: int = 2000
+    ratios: tuple[str, ...] = METRICS  # the B/A figures bootstrapped per pair
     run_id: str | None = None
     progress: bool = True
 
@@ -156,6 +157,7 @@ class ABConfig:
         _check(self.warmup_requests is None or self.warmup_requests >= 1,
                "warmup_requests must be ≥ 1")
         _check(self.metric in METRICS, f"metric must be one of {', '.join(METRICS)}")
+        _check(set(self.ratios) <= set(METRICS), f"ratios must be among {', '.join(METRICS)}")
         _check(all(k in ("ttft", "tpot", "e2el") and v > 0 for k, v in self.goodput),
                "goodput SLOs are ttft:MS, tpot:MS, e2el:MS with MS > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")

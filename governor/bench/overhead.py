@@ -65,7 +65,7 @@ def overhead_phases(config: OverheadConfig) -> list[Phase]:
            Phase(Level(1, None, "ttft"), one, config.per_round, config.warmup, "ttft.p50")]
     for c in config.concurrency:
         out.append(Phase(Level(c, None, "throughput"), _workload(config, config.max_tokens),
-                         max(16, 2 * c), max(2, c), "output_throughput"))
+                         max(config.per_round, c), max(2, c), "output_throughput"))
     return out
 
 

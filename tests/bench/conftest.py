@@ -30,7 +30,7 @@ def run_pair(tokenizer: BenchTokenizer, tmp_path: Path) -> RunPair:
     count = 0
 
     async def run(a: FakeUpstreamConfig, b: FakeUpstreamConfig, *, seed: int = 0,
-                  order: str = "interleaved", blocks: int = 6, requests: int = 8,
+                  order: str = "interleaved", blocks: int = 8, requests: int = 8,
                   concurrency: int = 8, metric: str = "ttft.p50", run_id: str | None = None,
                   upstreams: tuple[FakeUpstream, FakeUpstream] | None = None,
                   names: tuple[str, str] = ("a", "b")) -> Measured:
@@ -44,7 +44,7 @@ def run_pair(tokenizer: BenchTokenizer, tmp_path: Path) -> RunPair:
                 workload=WorkloadConfig(input_len=24, output_len=3),
                 concurrency=(concurrency,), blocks=blocks, requests_per_block=requests,
                 warmup_requests=2, seed=seed, order=order, metric=metric,  # type: ignore[arg-type]
-                bootstrap_resamples=400, progress=False)
+                bootstrap_resamples=400, ratios=(metric,), progress=False)
             handles = await open_arms(list(config.arms), config, [], None,
                                       tokenizer.front_tokens)
             try:
