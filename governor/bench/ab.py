@@ -61,9 +61,8 @@ def arms_with_governor(config: ABConfig) -> Iterator[tuple[list[ArmSpec], Any]]:
         yield list(config.arms), None
         return
     with running_governor(config.through_governor, config.out / "governor") as gov:
-        stated = next((a.compile_cache for a in config.arms
-                       if a.name == config.governor_arm), None)
-        yield [*config.arms, ArmSpec(config.governor_arm, gov.url, gov.log_path, stated)], gov
+        yield [*config.arms, ArmSpec(config.governor_arm, gov.url, gov.log_path,
+                                     config.governor_compile_cache)], gov
 
 
 def _progress(total: int, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -110,8 +109,9 @@ async def open_arms(specs: Sequence[ArmSpec], config: ABConfig, keys: list[str],
     return handles
 
 
-def write_plan(config: ABConfig, run_id: str, handles: Sequence[ArmHandle], model: str,
-               tokenizer: str, host: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def write_plan(config: ABConfig, phases: Sequence[Phase], run_id: str,
+               handles: Sequence[ArmHandle], model: str, tokenizer: str,
+               host: dict[str, Any]) -> tuple[dict[str, Any], str]:
     arms = {}
     for h in handles:
         _, _, source = compile_facts(h.identity, h.stated_compile_cache, None)
@@ -119,7 +119,11 @@ def write_plan(config: ABConfig, run_id: str, handles: Sequence[ArmHandle], mode
                         "stated_compile_cache": h.stated_compile_cache}
     plan = {"run_id": run_id, "created_at": artifact.utc_now(), "tool": artifact.TOOL,
             "workload": config.workload.name, "model": model, "tokenizer": tokenizer,
-            "levels": [lv.label for lv in config.levels()], "arms": arms, "host": host,
+            "levels": [{"label": p.level.label, "stream": p.level.stream,
+                        "requests_per_block": p.requests, "warmup_requests": p.warmups,
+                        "metric": p.metric or config.metric,
+                        "workload": jsonable(p.workload)} for p in phases],
+            "arms": arms, "host": host,
             "config": jsonable(config)}
     text = json.dumps(plan, indent=2, sort_keys=True) + "\n"
     config.out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +219,7 @@ async def measure(config: ABConfig, phases: Sequence[Phase], handles: list[ArmHa
                                  None)
     if model is None:
         raise RuntimeError("no arm named its model on /v1/models; give --model")
-    plan, sha = write_plan(config, run_id, handles, model, tok.source, host)
+    plan, sha = write_plan(config, phases, run_id, handles, model, tok.source, host)
     rng = random.Random(config.seed)
     gate = ABGateConfig(max_cv=config.max_cv)
     total = sum(len(handles) * (p.warmups + config.blocks * p.requests) for p in phases)

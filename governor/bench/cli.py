@@ -121,8 +121,12 @@ def ab_config(args: argparse.Namespace) -> ABConfig:
     cli_arms = [parse_arm(a) for a in args.arm or []]
     if cli_arms:
         arms = arms_from(dict(cli_arms))
-    arms = with_arm_details(arms, _pairs(args.arm_log, "--arm-log"),
-                            _pairs(args.arm_compile_cache, "--arm-compile-cache"))
+    compile_cache = _pairs(args.arm_compile_cache, "--arm-compile-cache")
+    governor_arm = str(args.governor_arm or raw.get("governor_arm") or AB_DEFAULTS["governor_arm"])
+    arms = with_arm_details(arms, _pairs(args.arm_log, "--arm-log"), compile_cache,
+                            governor_arm)
+    if governor_arm in compile_cache:
+        raw["governor_compile_cache"] = compile_cache[governor_arm]
     workload = {k: raw.pop(k) for k in WORKLOAD_FLAGS if k in raw}
     workload["name"] = raw.pop("workload", WORKLOAD_DEFAULTS["name"])
     for key in WORKLOAD_FLAGS:

@@ -125,6 +125,7 @@ class ABConfig:
     api_key_env: str = "FAK_BENCH_API_KEY"
     through_governor: Path | None = None
     governor_arm: str = "governor"
+    governor_compile_cache: str | None = None  # stated, when its engine is not an arm
     request_timeout_s: float = 1800.0
     max_cv: float = 0.10
     bootstrap_resamples: int = 2000
@@ -234,16 +235,17 @@ def arms_from(raw: Any) -> tuple[ArmSpec, ...]:
 
 
 def with_arm_details(arms: tuple[ArmSpec, ...], logs: dict[str, str],
-                     compile_cache: dict[str, str]) -> tuple[ArmSpec, ...]:
+                     compile_cache: dict[str, str], governor_arm: str | None = None
+                     ) -> tuple[ArmSpec, ...]:
     known = {a.name for a in arms}
-    stray = sorted((set(logs) | set(compile_cache)) - known - {"governor"})
+    stray = sorted((set(logs) - known) | (set(compile_cache) - known - {governor_arm}))
     _check(not stray, f"--arm-log/--arm-compile-cache name unknown arms: {stray}")
     return tuple(replace(a, log=Path(logs[a.name]) if a.name in logs else a.log,
                          compile_cache=compile_cache.get(a.name, a.compile_cache))
                  for a in arms)
 
 
-def jsonable(config: ABConfig) -> dict[str, Any]:
+def jsonable(config: Any) -> dict[str, Any]:
     """The config as plain JSON values, for the plan file."""
     def value(v: Any) -> Any:
         if isinstance(v, Path):

@@ -2,7 +2,8 @@
 aiohttp servers on loopback sleeping from seeded log-normals; no model).
 
 Sizes are the smallest that still prove each claim on a busy 2-core machine: 8 blocks of
-8 requests per arm at concurrency 8, TTFT medians of 50 ms, σ 0.1 (well above the event loop's jitter on a loaded machine).
+8 requests per arm at concurrency 8, TTFT medians of 50 ms, σ 0.1 (well above the event
+loop's jitter on a loaded machine).
 """
 
 from __future__ import annotations
