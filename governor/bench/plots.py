@@ -12,10 +12,18 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 
 from governor.bench.config import Level
 
 DPI = 110
+
+
+def _log_axis(axis: matplotlib.axis.Axis) -> None:
+    """Log scale labelled in plain numbers at 1, 2, 5 × 10^k."""
+    axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(ticker.NullFormatter())
 
 
 def _ecdf(ax: plt.Axes, values: Sequence[float], label: str) -> None:
@@ -37,6 +45,7 @@ def ecdf_plot(path: Path, title: str, xlabel: str, samples: Mapping[str, Sequenc
     ax.grid(True, alpha=0.3)
     if any(samples.values()):
         ax.set_xscale("log")
+        _log_axis(ax.xaxis)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -59,6 +68,7 @@ def load_plots(out: Path, levels: Sequence[Level], arms: Sequence[str],
     for arm in arms:
         ax.plot(xs, throughput[arm], marker="o", label=arm)
     ax.set_xlabel(xlabel)
+    ax.set_xticks(xs)
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"{title}: output throughput", fontsize=10)
     ax.grid(True, alpha=0.3)
@@ -76,8 +86,10 @@ def load_plots(out: Path, levels: Sequence[Level], arms: Sequence[str],
         ax.plot(xs, p50, marker="o", color=color, label=f"{arm} p50")
         ax.plot(xs, p99, marker="^", linestyle="--", color=color, label=f"{arm} p99")
     ax.set_xlabel(xlabel)
+    ax.set_xticks(xs)
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
+    _log_axis(ax.yaxis)
     ax.set_title(f"{title}: TTFT p50 / p99", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
