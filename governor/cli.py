@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from governor.admin_client import add_quarantine_parser, add_tenants_parser
+from governor.bench.cli import add_bench_parser
 from governor.config import ConfigError
 from governor.secrets import StartupRefused
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_audit(sub)
     add_quarantine_parser(sub)
     add_tenants_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -140,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from governor.admin_client import cmd_tenants
 
             return cmd_tenants(args)
+        if args.command == "bench":
+            from governor.bench.cli import cmd_bench
+
+            return cmd_bench(args)
         if args.command == "audit":
             return _audit(args)
     except (ConfigError, StartupRefused) as exc:
