@@ -36,8 +36,10 @@ class NativeDriverConfig:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     @classmethod
-    def from_section(cls, section: Any) -> NativeDriverConfig:
-        """From the governor's `[engine]` section (kind = "native")."""
+    def from_section(cls, section: Any,
+                     cache_shares: tuple[tuple[str, float], ...] = ()) -> NativeDriverConfig:
+        """From the governor's `[engine]` section (kind = "native") and the tenants'
+        `cache_share`s."""
         base = cls().engine
         engine = EngineConfig(
             block_size=base.block_size,
@@ -48,6 +50,7 @@ class NativeDriverConfig:
             kv_offloading_size=section.kv_offloading_size,
             kv_disk_dir=section.kv_disk_dir,
             kv_disk_size=section.kv_disk_size,
+            cache_shares=cache_shares,
         )
         return cls(engine=engine)
 
@@ -73,6 +76,7 @@ class NativeDriver:
             max_model_len=self.config.engine.model_len, block_size=self.config.engine.block_size,
             cache_salt=True, priority_scheduling=True, exact_span_evict=True,
             prefix_reset=True, cached_tokens_in_usage=True, kv_events=engine is None,
+            capacity_isolation=True,
             determinism=Determinism.UNAVAILABLE,
         )
 
@@ -111,7 +115,8 @@ class NativeDriver:
         and priority as values."""
         serving = self._serving()
         prepared = await serving.prepare_off_loop(request.route, request.body,
-                                                  request.cache_salt, request.priority or 0)
+                                                  request.cache_salt, request.priority or 0,
+                                                  cache_group=request.tenant)
         async for chunk in serving.generate(prepared, request.request_id or uuid.uuid4().hex):
             yield chunk
 

@@ -17,6 +17,7 @@ from adapters.driver import EngineDriver
 from governor.audit.log import AuditLog, AuditLogConfig
 from governor.auth import sha256_hex
 from governor.config import (
+    ConfigError,
     EngineSection,
     GovernorConfig,
     ServerConfig,
@@ -52,7 +53,13 @@ def build_driver(config: GovernorConfig) -> EngineDriver:
     if config.engine.kind == "native":
         from adapters.native import NativeDriver, NativeDriverConfig
 
-        return NativeDriver(NativeDriverConfig.from_section(config.engine))
+        shares = tuple((t.id, t.cache_share) for t in config.tenants
+                       if t.cache_share is not None)
+        return NativeDriver(NativeDriverConfig.from_section(config.engine, shares))
+    if any(t.cache_share is not None for t in config.tenants):
+        raise ConfigError("[[tenants]] cache_share reserves native-engine KV blocks; a ridden "
+                          "engine offers no capacity isolation (use admission limits and "
+                          "rate limits there)")
     return build_vllm_driver(config.engine)
 
 

@@ -28,6 +28,9 @@ class EngineConfig:
     Lower KV tiers (native_engine.kvcache.tiers), vLLM's flag names: `kv_offloading_size` GiB
     of host RAM, and a disk tier of `kv_disk_size` GiB under `kv_disk_dir`; both off when
     unset. `kv_restore_rates` None measures the restore and prefill rates at start-up.
+
+    `cache_shares` reserves, per cache group (a tenant), that fraction of the pool's blocks
+    for its cached prefixes: another group's allocations never evict it below (SEC-9).
     """
 
     block_size: int = 16
@@ -48,6 +51,7 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_size: float | None = None
     kv_restore_rates: RestoreRates | None = None
+    cache_shares: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs")
@@ -73,6 +77,22 @@ class EngineConfig:
                 "without chunked prefill max_num_batched_tokens must cover max_model_len"
             )
         self._check_tiers()
+        self._check_shares()
+
+    def _check_shares(self) -> None:
+        groups = [g for g, _ in self.cache_shares]
+        if len(set(groups)) != len(groups):
+            raise ValueError("cache_shares names a group twice")
+        for group, share in self.cache_shares:
+            if not isinstance(group, str) or not group or isinstance(share, bool) or not \
+                    isinstance(share, int | float) or not 0 < share <= 1:
+                raise ValueError(f"cache share of {group!r} must be in (0, 1], got {share!r}")
+        if sum(s for _, s in self.cache_shares) > 1:
+            raise ValueError("cache shares add up to more than the whole pool")
+
+    def reserved_blocks(self) -> dict[str, int]:
+        """Blocks each cache group keeps (its share of the pool, rounded down)."""
+        return {g: int(share * self.num_blocks) for g, share in self.cache_shares}
 
     def _check_tiers(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_size"):

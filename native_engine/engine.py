@@ -131,6 +131,9 @@ class LLMEngine:
         self.pool = BlockPool(self.config.num_blocks, self.config.block_size)
         self.cache = (RadixCache(self.pool, self.listener, demoter=self.tiers)
                       if self.config.enable_prefix_caching else None)
+        for group, blocks in self.config.reserved_blocks().items():
+            if self.cache is not None:
+                self.cache.reserve(group, blocks)
         self.scheduler = Scheduler(self.config, self.pool, self.cache, self.tiers)
         self.scheduler.stats = stats
         self.requests: dict[str, Request] = {}

@@ -68,7 +68,8 @@ class SamplingParams:
     here they are greedy.) top_k 0 or -1 and top_p 1 disable those filters; seed -1 means
     none (vLLM); `logprobs` asks for that many top alternatives per sampled token (0 = only
     the sampled token's). Lower `priority` is scheduled sooner; `namespace` (the cache salt)
-    isolates the prefix cache.
+    isolates the prefix cache; `cache_group` (the tenant) is whose reserved share of cached
+    blocks the namespace counts against (capacity isolation, SEC-9).
     """
 
     max_tokens: int = 16
@@ -82,6 +83,7 @@ class SamplingParams:
     logprobs: int | None = None
     priority: int = 0
     namespace: str | None = None
+    cache_group: str | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_tuple(self.stop, str, "stop")
@@ -214,6 +216,10 @@ class Request:
     @property
     def namespace(self) -> str | None:
         return self.params.namespace
+
+    @property
+    def cache_group(self) -> str | None:
+        return self.params.cache_group
 
     @property
     def is_finished(self) -> bool:

@@ -190,7 +190,7 @@ class Scheduler:
                 return
             need = self.pool.blocks_for(min(head.num_tokens, self.config.max_num_batched_tokens))
             if self.pool.num_free < need and self.cache is not None:
-                self.cache.evict(need - self.pool.num_free)
+                self.cache.evict(need - self.pool.num_free, head.cache_group)
             lacks_seq = len(self.running) >= self.config.max_num_seqs
             if not lacks_seq and self.pool.num_free >= need:
                 return
@@ -204,7 +204,7 @@ class Scheduler:
         if need <= 0:
             return True
         if self.pool.num_free < need and self.cache is not None:
-            self.cache.evict(need - self.pool.num_free)
+            self.cache.evict(need - self.pool.num_free, req.cache_group)
         if self.pool.num_free < need:
             return False
         req.block_table.extend(self.pool.allocate(need))
@@ -253,7 +253,7 @@ class Scheduler:
                 req.block_table.append(block)
                 continue
             if self.pool.num_free < 1:
-                self.cache.evict(1)  # type: ignore[union-attr]  # matched nodes are locked
+                self.cache.evict(1, req.cache_group)  # type: ignore[union-attr]
             if self.pool.num_free < 1:
                 return False
             fresh = self.pool.allocate(1)[0]
@@ -306,7 +306,7 @@ class Scheduler:
         if n == 0:
             return
         slots = self.pool.slots(req.block_table, 0, n)
-        result = self.cache.insert(req.namespace, req.token_ids[:n], slots)
+        result = self.cache.insert(req.namespace, req.token_ids[:n], slots, req.cache_group)
         # Move the lock to the deepest node: nodes holding our blocks are pointless to evict.
         self.cache.lock(result.node)
         self.cache.unlock(req.cache_node)

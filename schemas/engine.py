@@ -42,6 +42,7 @@ class EngineCapabilities:
     kv_events: bool = False
     kv_replay: bool = False
     cached_tokens_in_usage: bool = False
+    capacity_isolation: bool = False
     determinism: Determinism = Determinism.UNAVAILABLE
     notes: tuple[str, ...] = ()
 

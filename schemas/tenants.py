@@ -37,7 +37,8 @@ class TenantConfig:
     waiters as `max_concurrency`; `allow` names the feature groups the operator enables for
     this tenant (policies.request_fields); `media_url_allowlist` holds URL prefixes media
     parts may point at; `requests_per_s` / `tokens_per_min` are token-bucket rate limits
-    (None: none).
+    (None: none); `cache_share` reserves that fraction of the native engine's KV blocks for
+    the tenant's cached prefixes (SEC-9; a ridden engine offers no such isolation).
     """
 
     id: str
@@ -50,6 +51,7 @@ class TenantConfig:
     media_url_allowlist: tuple[str, ...] = ()
     requests_per_s: float | None = None
     tokens_per_min: int | None = None
+    cache_share: float | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.id, str) and TENANT_ID.fullmatch(self.id) is not None,
@@ -71,6 +73,10 @@ class TenantConfig:
             isinstance(self.requests_per_s, int | float) and not isinstance(
                 self.requests_per_s, bool) and 0 < self.requests_per_s < float("inf")),
                  f"tenant {self.id}: requests_per_s must be a positive number")
+        _require(self.cache_share is None or (
+            isinstance(self.cache_share, int | float) and not isinstance(self.cache_share, bool)
+            and 0 < self.cache_share <= 1),
+                 f"tenant {self.id}: cache_share must be a fraction in (0, 1]")
         for name in ("allow", "media_url_allowlist"):
             value = getattr(self, name)
             _require(isinstance(value, tuple) and all(isinstance(v, str) and v for v in value),
@@ -86,7 +92,8 @@ class TenantConfig:
         doc: dict[str, Any] = {"id": self.id, "api_key_sha256": list(self.api_key_sha256),
                                "class": self.tenant_class,
                                "max_concurrency": self.max_concurrency}
-        for name in ("max_tokens", "max_queued", "requests_per_s", "tokens_per_min"):
+        for name in ("max_tokens", "max_queued", "requests_per_s", "tokens_per_min",
+                     "cache_share"):
             if getattr(self, name) is not None:
                 doc[name] = getattr(self, name)
         for name in ("allow", "media_url_allowlist"):
@@ -98,7 +105,7 @@ class TenantConfig:
     def from_toml_dict(cls, raw: dict[str, Any]) -> TenantConfig:
         known = {"id", "api_key_sha256", "class", "max_concurrency", "max_tokens",
                  "max_queued", "allow", "media_url_allowlist", "requests_per_s",
-                 "tokens_per_min"}
+                 "tokens_per_min", "cache_share"}
         unknown = set(raw) - known
         _require(not unknown, f"[[tenants]] unknown key(s): {sorted(unknown)}")
         values = {("tenant_class" if k == "class" else k): v for k, v in raw.items()}
@@ -115,6 +122,8 @@ def check_tenants_unique(tenants: Iterable[TenantConfig]) -> None:
     _require(len(ids) == len(set(ids)), "tenant ids must be unique")
     digests = [d for t in tenants for d in t.api_key_sha256]
     _require(len(digests) == len(set(digests)), "an API key digest is listed twice")
+    _require(sum(t.cache_share or 0 for t in tenants) <= 1,
+             "the tenants' cache_share values add up to more than the whole KV pool")
 
 
 @dataclass(frozen=True, slots=True)

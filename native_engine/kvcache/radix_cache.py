@@ -10,7 +10,13 @@ per position by the request that allocated them and never rewritten, so sharing 
 Invariants (checked by `check_integrity`): parent/child links, depths and first-token keys
 agree; every node's namespace is its root's; slots are unique across the tree and aligned to
 their depth; the per-block token counts match the slots; the leaf set is exact; a node's
-lock_ref equals the number of lock holders at or below it.
+lock_ref equals the number of lock holders at or below it; each cache group's block count is
+the number of distinct blocks its namespaces' nodes hold.
+
+Capacity isolation (SEC-9): a namespace may belong to a cache group (the tenant) with a
+reserved number of blocks (`reserve`). Eviction on behalf of another group never takes a
+group's blocks while that group holds no more than its reservation, so a flood by one
+tenant cannot evict another below its share; a group evicts its own blocks freely.
 
 Eviction takes unlocked leaves, chosen by `choose_victims` (by default policies.eviction's
 value-aware order, which is LRU on uniform inputs); with a `demoter` (the lower KV tiers,
@@ -190,6 +196,9 @@ class RadixCache:
         self._roots: dict[str | None, Node] = {}
         self._leaves: set[Node] = set()
         self._block_tokens: dict[int, int] = {}  # block -> tree slots in it
+        self._group_of: dict[str | None, str] = {}  # namespace -> cache group
+        self._reserved: dict[str, int] = {}  # cache group -> blocks it keeps
+        self._group_blocks: dict[str, int] = {}  # cache group -> blocks the tree holds for it
         self._tick = 0
         self.num_tokens = 0
 
@@ -237,12 +246,16 @@ class RadixCache:
     # -- insertion ----------------------------------------------------------------------
 
     def insert(
-        self, namespace: str | None, tokens: Sequence[int], slots: Sequence[int]
+        self, namespace: str | None, tokens: Sequence[int], slots: Sequence[int],
+        group: str | None = None,
     ) -> InsertResult:
         """Cache `tokens` whose KV is in `slots`. Tokens already cached keep their slots (the
-        caller's duplicates stay the caller's); the rest become a new leaf."""
+        caller's duplicates stay the caller's); the rest become a new leaf. `group` names
+        the cache group the namespace belongs to (capacity isolation)."""
         if len(tokens) != len(slots):
             raise ValueError("tokens and slots differ in length")
+        if group is not None and namespace not in self._group_of:
+            self._group_of[namespace] = group
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = Node(namespace, None, [], [], 0)
@@ -286,27 +299,55 @@ class RadixCache:
         parent.children[tokens[0]] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
-        self._hold(slots)
+        self._hold(slots, leaf.namespace)
         return leaf
 
     # -- eviction -----------------------------------------------------------------------
 
-    def evict(self, num_blocks: int) -> int:
+    def evict(self, num_blocks: int, group: str | None = None) -> int:
         """Drop unlocked leaves (policy order) until `num_blocks` blocks returned to the pool or
-        nothing is evictable; returns blocks freed (it may free more than asked)."""
+        nothing is evictable, on behalf of cache group `group`: another group at or below its
+        reservation is never a victim. Returns blocks freed (it may free more than asked)."""
         start_free = self.pool.num_free
         while self.pool.num_free - start_free < num_blocks:
-            candidates = [n for n in self._leaves if n.lock_ref == 0]
+            candidates = [n for n in self._leaves
+                          if n.lock_ref == 0 and not self._protected(n, group)]
             if not candidates:
                 break
             needed = num_blocks - (self.pool.num_free - start_free)
             for victim in self.choose_victims(candidates, needed * self.block_size):
+                if self._protected(victim, group):
+                    continue  # its group reached its reservation during this round
                 if self.demoter is not None:
                     self._demote(victim)
                 self._remove_leaf(victim)
                 if self.pool.num_free - start_free >= num_blocks:
                     break
         return self.pool.num_free - start_free
+
+    def reserve(self, group: str, blocks: int) -> None:
+        """Keep `blocks` of the tree's blocks for cache group `group` (0 lifts it)."""
+        if blocks < 0:
+            raise ValueError("a reservation is a number of blocks >= 0")
+        self._reserved[group] = blocks
+
+    def group_blocks(self, group: str) -> int:
+        return self._group_blocks.get(group, 0)
+
+    def _protected(self, node: Node, group: str | None) -> bool:
+        """Evicting `node` for `group` would take its owner group below its reservation."""
+        owner = self._group_of.get(node.namespace)
+        reserved = self._reserved.get(owner, 0) if owner is not None else 0
+        if owner is None or owner == group or reserved == 0:
+            return False
+        return self._group_blocks.get(owner, 0) - self._freed_by(node) < reserved
+
+    def _freed_by(self, node: Node) -> int:
+        """Blocks that leave the tree if `node` goes (no other node has slots in them)."""
+        per_block: dict[int, int] = {}
+        for s in node.slots:
+            per_block[s // self.block_size] = per_block.get(s // self.block_size, 0) + 1
+        return sum(1 for b, n in per_block.items() if self._block_tokens.get(b) == n)
 
     def evict_span(self, namespace: str | None, tokens: Sequence[int], start: int) -> int:
         """Evict the KV of span [start, len(tokens)) on the path `tokens`, with every cached
@@ -382,7 +423,7 @@ class RadixCache:
             self._emit_removed(node)
         del parent.children[node.tokens[0]]
         self._leaves.discard(node)
-        self._release(node.slots)
+        self._release(node.slots, node.namespace)
         node.slots = []
         node.detached = True  # keeps `parent` so holders of a lock can still unlock
         if parent.parent is not None and not parent.children:
@@ -390,18 +431,22 @@ class RadixCache:
 
     # -- block references ---------------------------------------------------------------
 
-    def _hold(self, slots: Iterable[int]) -> None:
+    def _hold(self, slots: Iterable[int], namespace: str | None) -> None:
         bs = self.block_size
+        group = self._group_of.get(namespace)
         for s in slots:
             b = s // bs
             count = self._block_tokens.get(b, 0)
             if count == 0:
                 self.pool.incref([b])
+                if group is not None:
+                    self._group_blocks[group] = self._group_blocks.get(group, 0) + 1
             self._block_tokens[b] = count + 1
             self.num_tokens += 1
 
-    def _release(self, slots: Iterable[int]) -> None:
+    def _release(self, slots: Iterable[int], namespace: str | None) -> None:
         bs = self.block_size
+        group = self._group_of.get(namespace)
         for s in slots:
             b = s // bs
             count = self._block_tokens[b] - 1
@@ -409,6 +454,8 @@ class RadixCache:
             if count == 0:
                 del self._block_tokens[b]
                 self.pool.decref([b])
+                if group is not None:
+                    self._group_blocks[group] -= 1
             else:
                 self._block_tokens[b] = count
 
@@ -487,6 +534,7 @@ class RadixCache:
         seen_slots: set[int] = set()
         counts: dict[int, int] = {}
         leaves: set[Node] = set()
+        group_blocks: dict[str, set[int]] = {}
         for ns, root in self._roots.items():
             assert root.namespace == ns and root.parent is None and not root.tokens
             for node in self.nodes(ns):
@@ -501,10 +549,14 @@ class RadixCache:
                     assert s not in seen_slots, f"slot {s} held by two nodes"
                     seen_slots.add(s)
                     counts[s // bs] = counts.get(s // bs, 0) + 1
+                    if ns in self._group_of:
+                        group_blocks.setdefault(self._group_of[ns], set()).add(s // bs)
                 if not node.children:
                     leaves.add(node)
         assert counts == self._block_tokens, "per-block token counts drifted"
         assert leaves == self._leaves, "leaf set drifted"
+        assert {g: len(b) for g, b in group_blocks.items()} == {
+            g: n for g, n in self._group_blocks.items() if n}, "per-group block counts drifted"
         assert self.num_tokens == len(seen_slots)
         if lock_holders is not None:
             self._check_locks(lock_holders)

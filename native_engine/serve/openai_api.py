@@ -124,8 +124,8 @@ def _logprobs(parsed: AnyRequest) -> int | None:
 
 def sampling_params(parsed: AnyRequest, prompt_len: int, max_model_len: int,
                     stop_token_ids: tuple[int, ...], priority_enabled: bool,
-                    namespace: str | None = None, priority: int | None = None
-                    ) -> SamplingParams:
+                    namespace: str | None = None, priority: int | None = None,
+                    cache_group: str | None = None) -> SamplingParams:
     """SamplingParams of a validated body, answering vLLM's 400s for bad values.
     `max_tokens` is clamped to the room the prompt leaves, as vLLM 0.32 does (its
     `get_max_tokens`). `namespace` / `priority` given (the in-process path) take the place
@@ -163,6 +163,7 @@ def sampling_params(parsed: AnyRequest, prompt_len: int, max_model_len: int,
             logprobs=logprobs,
             priority=chosen if priority_enabled else 0,
             namespace=parsed.cache_salt if namespace is None else namespace,
+            cache_group=cache_group,
         )
     except ValueError as exc:  # a SamplingParamError names its field
         raise bad_request(str(exc), getattr(exc, "param", None)) from None

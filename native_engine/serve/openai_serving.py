@@ -154,27 +154,29 @@ class OpenAIServing:
         return self._prepare(route, validate_body(route, body), None, None)
 
     async def prepare_off_loop(self, route: Route, parsed: AnyRequest,
-                               namespace: str | None, priority: int | None) -> Prepared:
+                               namespace: str | None, priority: int | None,
+                               cache_group: str | None = None) -> Prepared:
         """`prepare_parsed`, on a worker thread when the text is long: tokenising a large
         prompt must not stall every other request on the event loop."""
         if text_size(parsed) < OFF_LOOP_CHARS:
-            return self.prepare_parsed(route, parsed, namespace, priority)
-        return await asyncio.to_thread(self.prepare_parsed, route, parsed, namespace, priority)
+            return self.prepare_parsed(route, parsed, namespace, priority, cache_group)
+        return await asyncio.to_thread(self.prepare_parsed, route, parsed, namespace, priority,
+                                       cache_group)
 
     def prepare_parsed(self, route: Route, parsed: AnyRequest, namespace: str | None,
-                       priority: int | None) -> Prepared:
+                       priority: int | None, cache_group: str | None = None) -> Prepared:
         """A body the governor typed: what this engine supports, then tokenise, with the
-        governor's namespace and priority as values."""
+        governor's namespace, priority and cache group (the tenant) as values."""
         check_supported(parsed)
-        return self._prepare(route, parsed, namespace, priority)
+        return self._prepare(route, parsed, namespace, priority, cache_group)
 
     def _prepare(self, route: Route, parsed: AnyRequest, namespace: str | None,
-                 priority: int | None) -> Prepared:
+                 priority: int | None, cache_group: str | None = None) -> Prepared:
         check_model(parsed, self.config.model_name)
         ids = self.prompt_ids(parsed)
         params = sampling_params(parsed, len(ids), self.config.max_model_len,
                                  self.tokenizer.stop_token_ids, self.config.priority_enabled,
-                                 namespace, priority)
+                                 namespace, priority, cache_group)
         options = parsed.stream_options
         return Prepared(route, ids, params, bool(parsed.stream),
                         bool(options is not None and options.include_usage))
