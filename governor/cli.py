@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from governor.admin_client import add_quarantine_parser, add_tenants_parser
 from governor.config import ConfigError
+from governor.isolation.cli import add_isolation_parser
 from governor.secrets import StartupRefused
 
 
@@ -25,13 +26,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_audit(sub: argparse._SubParsersAction) -> None:
-    audit = sub.add_parser("audit", help="verify the audit log, export signed checkpoints")
+    audit = sub.add_parser("audit", help="verify the audit log, export signed checkpoints, "
+                           "audit cache isolation")
     asub = audit.add_subparsers(dest="audit_command", required=True, metavar="ACTION")
     verify = asub.add_parser("verify", help="verify LOG end to end; name the first bad index")
     verify.add_argument("log")
     verify.add_argument("--anchor", help="a signed checkpoint kept elsewhere (JSON file)")
     checkpoint = asub.add_parser("checkpoint", help="print the latest signed checkpoint")
     checkpoint.add_argument("--data-dir", default="./fak-data")
+    add_isolation_parser(asub)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -105,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from governor.admin_client import cmd_tenants
 
             return cmd_tenants(args)
+        if args.command == "audit" and args.audit_command == "isolation":
+            from governor.isolation.cli import cmd_audit_isolation
+
+            return cmd_audit_isolation(args)
         if args.command == "audit":
             from governor.audit.cli import cmd_audit_checkpoint, cmd_audit_verify
 
