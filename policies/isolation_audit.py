@@ -101,7 +101,8 @@ def phase_stats(hit: Sequence[float], miss: Sequence[float]) -> PhaseStats:
         raise ValueError("both samples must be non-empty")
     if not all(math.isfinite(t) and t >= 0 for t in (*hit, *miss)):
         raise ValueError("times must be finite and non-negative")
-    from scipy.stats import ks_2samp  # ~0.5 s to import: only when an audit is summarised
+    # ~0.5 s to import: only when an audit is summarised
+    from scipy.stats import ks_2samp  # type: ignore[import-untyped]
 
     result = ks_2samp(hit, miss, alternative="greater")
     fastest_miss = min(miss)
