@@ -56,8 +56,9 @@ ENGINE = NativeServerConfig(block_size=16, num_blocks=512, max_model_len=2048,
                                                             # is evicted during a test
 AUDIT_SAMPLES = 16  # per kind and phase: p ≈ 1e-9 when hits and misses separate
 AUDIT_PROMPT_TOKENS = 256  # a miss prefills 2 steps of BUDGET, a hit one short step
-PROBE_TOKENS = 1280  # an uncached probe: ceil(1280 / 127) = 11 steps of prefill
-TICKER_TOKENS = 40
+PROBE_TOKENS = 896  # an uncached probe: ceil(896 / 127) = 8 steps of prefill
+TICKER_TOKENS = 64  # one token per engine step, past the three probes' 3 × 8 steps
+SEND_GAP_TICKS = 2
 PROBE_STEPS = math.ceil(PROBE_TOKENS / (BUDGET - 1))
 
 
@@ -135,38 +136,62 @@ def test_sec5_audit_reports_the_leak_on_the_bare_engine(stack: Stack, tmp_path: 
 # -- SEC-7: completion order ---------------------------------------------------------------
 
 
-async def ticks_to_complete(url: str, key: str, probe: str) -> int:
-    """Ticks of B's ticker between sending the probe and the probe's completion."""
+@dataclass(frozen=True)
+class Probe:
+    prompt: str
+    extra: dict[str, Any] | None = None  # body fields (the bare-engine priority control)
+
+
+async def completion_ticks(url: str, key: str, probes: list[Probe]) -> list[int]:
+    """B's ticker runs; once it ticks, the probes are sent one by one, each `SEND_GAP_TICKS`
+    after the last, so they reach the engine in this order while the first one's prefill
+    holds the step budget (the later ones wait in the queue). For each probe: the ticker
+    token its completion came with, counted from the first probe's sending."""
     headers = {"Authorization": f"Bearer {key}"}
     ticks: list[float] = []
-    ticking = asyncio.Event()
+    ticked = asyncio.Condition()
     ticker_body = {"prompt": "Count slowly:", "max_tokens": TICKER_TOKENS, "ignore_eos": True,
                    "temperature": 0, "stream": True}
-    probe_body = {"prompt": probe, "max_tokens": 1, "temperature": 0, "stream": True}
     async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
 
-        async def tokens(body: dict[str, Any], on_token: Any) -> None:
+        async def stream(body: dict[str, Any], on_token: Any) -> None:
             async with client.stream("POST", url + "/v1/completions", json=body,
                                      headers=headers) as r:
                 assert r.status_code == 200, await r.aread()
                 async for line in r.aiter_lines():
                     if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                        on_token()
+                        await on_token()
 
-        def tick() -> None:
-            ticks.append(time.perf_counter())
-            ticking.set()
+        async def tick() -> None:
+            async with ticked:
+                ticks.append(time.perf_counter())
+                ticked.notify_all()
 
-        done: list[float] = []
-        ticker = asyncio.create_task(tokens(ticker_body, tick))
-        await asyncio.wait_for(ticking.wait(), 120)
-        sent_at = len(ticks)
-        await tokens(probe_body, lambda: done.append(time.perf_counter()))
+        async def until_tick(n: int) -> None:
+            async with ticked:
+                await asyncio.wait_for(ticked.wait_for(lambda: len(ticks) >= n), 300)
+
+        ticker = asyncio.create_task(stream(ticker_body, tick))
+        await until_tick(1)
+        first_sent = len(ticks)
+        done: list[list[float]] = [[] for _ in probes]
+        sent = []
+        for i, probe in enumerate(probes):
+            if i:
+                await until_tick(len(ticks) + SEND_GAP_TICKS)
+
+            async def record(i: int = i) -> None:
+                done[i].append(time.perf_counter())
+
+            body = {"prompt": probe.prompt, "max_tokens": 1, "temperature": 0, "stream": True,
+                    **(probe.extra or {})}
+            sent.append(asyncio.create_task(stream(body, record)))
+        await asyncio.gather(*sent)
         await ticker
-    assert len(ticks) == TICKER_TOKENS and done
-    completed_at = sum(t <= done[0] for t in ticks)
-    assert completed_at < TICKER_TOKENS, "the ticker stopped before the probe completed"
-    return completed_at - sent_at
+    assert len(ticks) == TICKER_TOKENS and all(done)
+    at = [sum(t <= d[0] for t in ticks) for d in done]
+    assert max(at) < TICKER_TOKENS, "the ticker stopped before the probes completed"
+    return [a - first_sent for a in at]
 
 
 def plant(url: str, key: str, prompt: str) -> None:
@@ -175,44 +200,60 @@ def plant(url: str, key: str, prompt: str) -> None:
     assert r.status_code == 200, r.text
 
 
-def probe_pair(rng: random.Random) -> tuple[str, str]:
-    """A prompt to plant and a probe sharing 95 % of it (Gu et al.'s hit)."""
-    planted = random_prompt(rng, PROBE_TOKENS)
-    return planted, prefix_sharing_prompt(rng, planted, 0.95)
+def ticks(url: str, key: str, probes: list[Probe]) -> list[int]:
+    return asyncio.run(completion_ticks(url, key, probes))
 
 
-def ticks(url: str, key: str, probe: str) -> int:
-    return asyncio.run(ticks_to_complete(url, key, probe))
+def fresh(rng: random.Random) -> Probe:
+    return Probe(random_prompt(rng, PROBE_TOKENS))
+
+
+def planted_by(url: str, key: str, rng: random.Random) -> Probe:
+    """A probe sharing 95 % of a prompt `key` has just cached (Gu et al.'s hit)."""
+    prompt = random_prompt(rng, PROBE_TOKENS)
+    plant(url, key, prompt)
+    return Probe(prefix_sharing_prompt(rng, prompt, 0.95))
+
+
+def assert_fifo(order: list[int]) -> None:
+    """Each probe completes a whole uncached prefill after the one before it (less the
+    chunk it got in its predecessor's last step); a cached one would be ≤ 3 ticks after."""
+    gaps = [b - a for a, b in zip([0, *order], order, strict=False)]
+    assert all(g >= PROBE_STEPS - 3 for g in gaps), order
 
 
 def test_sec7_completion_order_ignores_another_tenants_cache(stack: Stack) -> None:
+    """B's three probes — the first holds the budget, the second and third queue behind it —
+    complete at the same ticks whether or not A has cached the third one's prefix: no
+    cross-tenant reuse shortens its prefill, no cache-aware priority moves it ahead of the
+    second. With B's own cache (the positive control) the third completes right after the
+    second."""
     url, rng = stack.governor.url, random.Random(time.time_ns())
-    fresh, planted = [], []
-    for _ in range(2):
-        _, probe = probe_pair(rng)
-        fresh.append(ticks(url, KEY_B, probe))  # nobody has this prefix
-        prompt, probe = probe_pair(rng)
-        plant(url, KEY_A, prompt)  # A caches the prefix of B's probe
-        planted.append(ticks(url, KEY_B, probe))
-    own_prompt, own_probe = probe_pair(rng)
-    plant(url, KEY_B, own_prompt)  # positive control: B's own cached prefix
-    own = ticks(url, KEY_B, own_probe)
-    print(f"SEC-7 through the governor ({PROBE_STEPS} prefill steps uncached): ticks fresh "
-          f"{fresh}, A planted {planted}, B planted {own}")
-    # Uncached, the probe lands after its whole prefill; A's cache does not move it.
-    assert min(fresh + planted) >= PROBE_STEPS - 2, (fresh, planted)
-    assert max(fresh + planted) - min(fresh + planted) <= 3, (fresh, planted)
-    assert own <= 4, own  # with B's own prefix cached it completes within a few steps
+    without = ticks(url, KEY_B, [fresh(rng), fresh(rng), fresh(rng)])
+    with_a = ticks(url, KEY_B, [fresh(rng), fresh(rng), planted_by(url, KEY_A, rng)])
+    with_b = ticks(url, KEY_B, [fresh(rng), fresh(rng), planted_by(url, KEY_B, rng)])
+    print(f"SEC-7 through the governor ({PROBE_STEPS} steps per uncached prefill): completion "
+          f"ticks, nothing cached {without}, A cached the third {with_a}, B did {with_b}")
+    assert_fifo(without)
+    assert_fifo(with_a)
+    assert all(abs(a - b) <= 2 for a, b in zip(without, with_a, strict=True)), (without, with_a)
+    assert_fifo(with_b[:2])
+    assert with_b[1] <= with_b[2] <= with_b[1] + 3, with_b
 
 
-def test_sec7_shared_namespace_moves_the_probe(stack: Stack) -> None:
-    """The bare engine (no salts): A's cached prefix moves B's probe ahead — the order
-    channel the governor closes."""
+def test_sec7_the_order_measure_sees_reuse_and_reordering_on_the_bare_engine(
+        stack: Stack) -> None:
+    """Without the governor both keys share one namespace: A's cached prefix shortens the
+    third probe's prefill (it completes right after the second). And a reordered queue is
+    seen: the third probe sent with a more urgent priority overtakes the second, as it would
+    under a cache-aware priority."""
     url, rng = stack.engine.base_url, random.Random(time.time_ns())
-    _, probe = probe_pair(rng)
-    fresh = ticks(url, KEY_B, probe)
-    prompt, probe = probe_pair(rng)
-    plant(url, KEY_A, prompt)
-    shared = ticks(url, KEY_B, probe)
-    print(f"SEC-7 bare engine: ticks fresh {fresh}, A planted {shared}")
-    assert fresh >= PROBE_STEPS - 2 and shared <= 4, (fresh, shared)
+    shared = ticks(url, KEY_B, [fresh(rng), fresh(rng), planted_by(url, KEY_A, rng)])
+    urgent = Probe(random_prompt(rng, PROBE_TOKENS), {"priority": -1})
+    reordered = ticks(url, KEY_B, [fresh(rng), fresh(rng), urgent])
+    print(f"SEC-7 bare engine: completion ticks, A cached the third {shared}, third urgent "
+          f"{reordered}")
+    assert_fifo(shared[:2])
+    assert shared[1] <= shared[2] <= shared[1] + 3, shared
+    assert reordered[0] < reordered[2] < reordered[1], reordered
+    assert_fifo([reordered[0], reordered[2], reordered[1]])
