@@ -6,15 +6,18 @@
   on the bare engine, where both keys share one namespace, the same command reports the leak
   (p < 1e-6) — the proof that the audit can fail.
 - SEC-7, completion order. Under continuous batching requests share engine steps, so the
-  order of a tenant's concurrent requests is only defined step by step. B runs a *ticker*
-  (a decoding request: exactly one token per engine step) and, once it ticks, a *probe* with
-  a long prompt and `max_tokens=1`. The probe's completion lands after some ticker token:
-  the number of ticks between sending the probe and its completion is where it falls in B's
-  order, and it counts the steps its prefill took (the chunk budget is small, so an uncached
-  prefill takes many). The native engine schedules first-come first-served, with no
-  cache-aware priority; through the governor, A having cached the probe's prefix must not
-  move the probe in B's order at all. Controls show the measure sees reuse when there is
-  some: B's own cached prefix (through the governor), and A's on the bare engine.
+  order of a tenant's concurrent requests is only defined step by step (two requests that
+  finish in one step finish together). B runs a *ticker* (a decoding request: exactly one
+  token per engine step), and once it ticks sends three probes with long prompts and
+  `max_tokens=1`, one after the other: the first one's prefill holds the (small) step
+  budget, the other two wait in the queue. Where each probe's completion falls among the
+  ticker's tokens is its place in B's order, counted in engine steps. The native engine
+  schedules first come, first served (or by priority class), with no cache-aware priority:
+  through the governor, A having cached the third probe's prefix must leave every probe's
+  place unchanged — no cross-tenant reuse shortens its prefill, nothing moves it ahead.
+  Controls show the measure would see both: B's own cached prefix (through the governor)
+  and A's on the bare engine shorten the third probe's prefill, and on the bare engine a
+  more urgent priority moves it ahead of the second, as a cache-aware priority would.
 
 Sizes (and the audit's run time) are printed with `-s`; the closing note quotes them.
 """
@@ -51,9 +54,9 @@ pytestmark = pytest.mark.slow
 
 KEY_A, KEY_B, ADMIN = "key-tenant-a", "key-tenant-b", "admin-isolation"
 BUDGET = 128  # tokens per engine step: an uncached probe prefill takes many steps
+# A pool of 8192 tokens: nothing planted is evicted before its probe.
 ENGINE = NativeServerConfig(block_size=16, num_blocks=512, max_model_len=2048,
-                            max_num_batched_tokens=BUDGET)  # 8192 tokens: nothing planted
-                                                            # is evicted during a test
+                            max_num_batched_tokens=BUDGET)
 AUDIT_SAMPLES = 16  # per kind and phase: p ≈ 1e-9 when hits and misses separate
 AUDIT_PROMPT_TOKENS = 256  # a miss prefills 2 steps of BUDGET, a hit one short step
 PROBE_TOKENS = 896  # an uncached probe: ceil(896 / 127) = 8 steps of prefill
