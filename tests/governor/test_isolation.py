@@ -197,25 +197,57 @@ async def completion_ticks(url: str, key: str, probes: list[Probe]) -> list[int]
     return [a - first_sent for a in at]
 
 
-def plant(url: str, key: str, prompt: str) -> None:
+def plant(url: str, key: str, prompt: str) -> int:
+    """Send `prompt` under `key`; the prompt tokens the engine found cached."""
     r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
                    headers={"Authorization": f"Bearer {key}"}, timeout=300)
     assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def ticks(url: str, key: str, probes: list[Probe]) -> list[int]:
     return asyncio.run(completion_ticks(url, key, probes))
 
 
+def clean_cache(stack: Stack) -> None:
+    """Each run starts from an empty prefix cache: the engine's value-aware eviction would
+    otherwise drop a fresh (never reused) plant before older, reused prefixes left by the
+    audits — the plant must be there when the third probe is scheduled."""
+    r = httpx.post(stack.engine.base_url + "/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
+
+
 def fresh(rng: random.Random) -> Probe:
     return Probe(random_prompt(rng, PROBE_TOKENS))
 
 
-def planted_by(url: str, key: str, rng: random.Random) -> Probe:
-    """A probe sharing 95 % of a prompt `key` has just cached (Gu et al.'s hit)."""
+@dataclass(frozen=True)
+class Planted:
+    url: str
+    key: str
+    prompt: str
+    probe: Probe
+
+    def still_cached(self) -> bool:
+        """Whether the planter's prefix was still cached after the run (asked again)."""
+        return plant(self.url, self.key, self.prompt) >= 0.9 * PROBE_TOKENS
+
+
+def planted_by(url: str, key: str, rng: random.Random) -> Planted:
+    """`key` caches a prompt; the probe shares 95 % of it (Gu et al.'s hit)."""
     prompt = random_prompt(rng, PROBE_TOKENS)
-    plant(url, key, prompt)
-    return Probe(prefix_sharing_prompt(rng, prompt, 0.95))
+    assert plant(url, key, prompt) < 0.1 * PROBE_TOKENS
+    return Planted(url, key, prompt, Probe(prefix_sharing_prompt(rng, prompt, 0.95)))
+
+
+def run_with_plant(stack: Stack, url: str, planter: str, rng: random.Random) -> list[int]:
+    """Clean cache, the planter's prompt, then B's run with the probe third; the plant must
+    have stayed cached throughout (so a probe that ignored it really was not helped)."""
+    clean_cache(stack)
+    planted = planted_by(url, planter, rng)
+    order = ticks(url, KEY_B, [fresh(rng), fresh(rng), planted.probe])
+    assert planted.still_cached(), "the planted prefix was evicted during the run"
+    return order
 
 
 def assert_fifo(order: list[int]) -> None:
@@ -232,9 +264,10 @@ def test_sec7_completion_order_ignores_another_tenants_cache(stack: Stack) -> No
     second. With B's own cache (the positive control) the third completes right after the
     second."""
     url, rng = stack.governor.url, random.Random(time.time_ns())
+    clean_cache(stack)
     without = ticks(url, KEY_B, [fresh(rng), fresh(rng), fresh(rng)])
-    with_a = ticks(url, KEY_B, [fresh(rng), fresh(rng), planted_by(url, KEY_A, rng)])
-    with_b = ticks(url, KEY_B, [fresh(rng), fresh(rng), planted_by(url, KEY_B, rng)])
+    with_a = run_with_plant(stack, url, KEY_A, rng)
+    with_b = run_with_plant(stack, url, KEY_B, rng)
     print(f"SEC-7 through the governor ({PROBE_STEPS} steps per uncached prefill): completion "
           f"ticks, nothing cached {without}, A cached the third {with_a}, B did {with_b}")
     assert_fifo(without)
@@ -251,7 +284,8 @@ def test_sec7_the_order_measure_sees_reuse_and_reordering_on_the_bare_engine(
     seen: the third probe sent with a more urgent priority overtakes the second, as it would
     under a cache-aware priority."""
     url, rng = stack.engine.base_url, random.Random(time.time_ns())
-    shared = ticks(url, KEY_B, [fresh(rng), fresh(rng), planted_by(url, KEY_A, rng)])
+    shared = run_with_plant(stack, url, KEY_A, rng)
+    clean_cache(stack)
     urgent = Probe(random_prompt(rng, PROBE_TOKENS), {"priority": -1})
     reordered = ticks(url, KEY_B, [fresh(rng), fresh(rng), urgent])
     print(f"SEC-7 bare engine: completion ticks, A cached the third {shared}, third urgent "
