@@ -1,9 +1,11 @@
 """A near-instant vLLM-shaped upstream for measuring the governor's own overhead.
 
 Benchmark tool only (docs/reference/benchmarking.md §7: a mock upstream keeps the engine from
-dominating);
-the governor's correctness is tested against real engines. Answers /v1/models, /metrics,
-/health and both generation routes, streaming or not, in vLLM 0.32's shapes, at once.
+dominating); the governor's correctness is tested against real engines. Answers /v1/models,
+/metrics, /health and both generation routes, streaming or not, in vLLM 0.32's shapes, at
+once. `fak bench overhead --engine` points at it to measure the governor alone
+(docs/benchmarks.md); it stays out of the package because serving fake answers is not a
+product feature.
 
     python bench/instant_upstream.py --port 8101 [--chunks 16]
 """

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from governor.admin_client import add_quarantine_parser, add_tenants_parser
+from governor.bench.cli import add_bench_parser
 from governor.config import ConfigError
 from governor.isolation.cli import add_isolation_parser
 from governor.secrets import StartupRefused
@@ -30,10 +32,18 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
                            "audit cache isolation")
     asub = audit.add_subparsers(dest="audit_command", required=True, metavar="ACTION")
     verify = asub.add_parser("verify", help="verify LOG end to end; name the first bad index")
-    verify.add_argument("log")
-    verify.add_argument("--anchor", help="a signed checkpoint kept elsewhere (JSON file)")
+    verify.add_argument("log", nargs="?", help="the log file, or a postgresql:// DSN (prefer "
+                        "--dsn-env: a DSN on the command line is visible to other users)")
+    verify.add_argument("--dsn-env", metavar="VAR", help="verify the shared log in the "
+                        "PostgreSQL database whose DSN is in $VAR")
+    verify.add_argument("--anchor", help="a signed checkpoint kept elsewhere (JSON file), or "
+                        "an anchor_dir (its latest export is used)")
     checkpoint = asub.add_parser("checkpoint", help="print the latest signed checkpoint")
     checkpoint.add_argument("--data-dir", default="./fak-data")
+    checkpoint.add_argument("--signing-key", help="the log's signing key, when [audit] "
+                            "signing_key_path keeps it outside the data dir")
+    checkpoint.add_argument("--dsn-env", metavar="VAR", help="the shared log in the "
+                            "PostgreSQL database whose DSN is in $VAR")
     add_isolation_parser(asub)
 
 
@@ -74,7 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_audit(sub)
     add_quarantine_parser(sub)
     add_tenants_parser(sub)
+    add_bench_parser(sub)
     return parser
+
+
+def _dsn_arg(var: str | None) -> str | None:
+    if var is None:
+        return None
+    dsn = os.environ.get(var, "").strip()
+    if not dsn:
+        raise ConfigError(f"${var} holds no DSN")
+    return dsn
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from governor.audit.cli import (
+        cmd_audit_checkpoint,
+        cmd_audit_checkpoint_dsn,
+        cmd_audit_verify,
+    )
+
+    dsn = _dsn_arg(args.dsn_env)
+    if args.audit_command == "verify":
+        if (args.log is None) == (dsn is None):
+            raise ConfigError("fak audit verify takes a LOG (or DSN) or --dsn-env, one of them")
+        return cmd_audit_verify(str(args.log or dsn), args.anchor)
+    if dsn is not None:
+        return cmd_audit_checkpoint_dsn(dsn, args.signing_key)
+    return cmd_audit_checkpoint(args.data_dir, args.signing_key)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,16 +145,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             from governor.admin_client import cmd_tenants
 
             return cmd_tenants(args)
+        if args.command == "bench":
+            from governor.bench.cli import cmd_bench
+
+            return cmd_bench(args)
         if args.command == "audit" and args.audit_command == "isolation":
             from governor.isolation.cli import cmd_audit_isolation
 
             return cmd_audit_isolation(args)
         if args.command == "audit":
-            from governor.audit.cli import cmd_audit_checkpoint, cmd_audit_verify
-
-            if args.audit_command == "verify":
-                return cmd_audit_verify(args.log, args.anchor)
-            return cmd_audit_checkpoint(args.data_dir)
+            return _audit(args)
     except (ConfigError, StartupRefused) as exc:
         print(f"fak: {exc}", file=sys.stderr)
         return 2

@@ -62,7 +62,33 @@ class EngineSection:
     metrics_url: str | None = None
     max_model_len: int = 2048
     num_blocks: int | None = None
+    cache_control_token_env: str | None = None
     declare: CapabilityDeclaration = field(default_factory=CapabilityDeclaration)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditSection:
+    """`[audit]`: the log's checkpoints, where its key and anchors live, and how often
+    client events are summarised (governor.audit.counters)."""
+
+    summary_interval_s: float = 60.0
+    checkpoint_every_records: int = 64
+    checkpoint_every_seconds: float = 60.0
+    signing_key_path: Path | None = None
+    anchor_dir: Path | None = None
+    min_free_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StateSection:
+    """`[state]`: where epochs, quarantine records and the audit log live. `file` is the
+    single-process default (data_dir); `postgres` shares them between replicas, with the DSN
+    read from the environment variable `dsn_env` (governor.store)."""
+
+    backend: Literal["file", "postgres"] = "file"
+    dsn_env: str = "FAK_STATE_DSN"
+    epoch_max_staleness_ms: int = 500
+    replica_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +96,8 @@ class GovernorConfig:
     server: ServerConfig
     engine: EngineSection
     tenants: tuple[TenantConfig, ...]
+    audit: AuditSection = field(default_factory=AuditSection)
+    state: StateSection = field(default_factory=StateSection)
 
     def tenant(self, tenant_id: str) -> TenantConfig | None:
         return next((t for t in self.tenants if t.id == tenant_id), None)
@@ -86,9 +114,15 @@ def parse_config(raw: dict[str, Any]) -> GovernorConfig:
             server["data_dir"] = Path(server["data_dir"])
         tenants = tuple(TenantConfig.from_toml_dict(t) for t in raw.get("tenants", []))
         check_tenants_unique(tenants)
+        audit = dict(raw.get("audit", {}))
+        for key in ("signing_key_path", "anchor_dir"):
+            if key in audit:
+                audit[key] = Path(audit[key])
+        state = StateSection(**raw.get("state", {}))
     except (DocumentInvalid, ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc
-    return GovernorConfig(ServerConfig(**server), EngineSection(**engine), tenants)
+    return GovernorConfig(ServerConfig(**server), EngineSection(**engine), tenants,
+                          AuditSection(**audit), state)
 
 
 def load_config(path: Path) -> GovernorConfig:

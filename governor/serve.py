@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import signal
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from adapters.driver import EngineDriver
 from governor.audit.log import AuditLog, AuditLogConfig
@@ -27,6 +30,7 @@ from governor.state import Governor
 from policies.salts import SaltKey, SaltKeyError
 
 log = logging.getLogger("fak.serve")
+SHUTDOWN_WAIT_S = 10.0  # for the audit's last writes when the state database is away
 
 
 def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
@@ -70,7 +74,23 @@ def build_vllm_driver(section: EngineSection) -> EngineDriver:
     if declare.prefix_reset:
         dev = VLLMDevControl(DevControlConfig(section.base_url, enabled=True),
                              lambda call: log.warning("dev-mode control call: %s", call))
-    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev)
+    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev,
+                      fak_control=fak_control_client(section))
+
+
+def fak_control_client(section: EngineSection) -> Any:
+    """The cache-control client of `fak engine serve`, when its token is configured."""
+    from adapters.vllm.fak_control import FakCacheControlClient, FakControlConfig
+
+    if section.cache_control_token_env is None:
+        return None
+    token = os.environ.get(section.cache_control_token_env, "")
+    if not token:
+        raise StartupRefused(f"[engine] cache_control_token_env names "
+                             f"${section.cache_control_token_env}, which is not set")
+    assert section.base_url is not None
+    return FakCacheControlClient(FakControlConfig(section.base_url, token),
+                                 lambda call: log.warning("cache-control call: %s", call))
 
 
 def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:
@@ -80,8 +100,24 @@ def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: boo
         key = SaltKey(load_salt_key(data_dir, create=create_key))
     except SaltKeyError as exc:
         raise StartupRefused(str(exc)) from exc
-    audit = AuditLog.open(AuditLogConfig(data_dir))
-    return Governor(config, driver, key, TenantEpochs(data_dir), audit)
+    if config.state.backend == "postgres":
+        from governor.store.backend import open_shared_state
+
+        shared = open_shared_state(config, audit_log_config(config), key)
+        gov = Governor(config, driver, key, shared.epochs, shared.audit)
+        gov.quarantine_store = shared.records
+        return gov
+    audit = AuditLog.open(audit_log_config(config))
+    return Governor(config, driver, key, TenantEpochs(data_dir, audit.epochs_at_open), audit)
+
+
+def audit_log_config(config: GovernorConfig) -> AuditLogConfig:
+    section = config.audit
+    return AuditLogConfig(config.server.data_dir,
+                          checkpoint_every_records=section.checkpoint_every_records,
+                          checkpoint_every_seconds=section.checkpoint_every_seconds,
+                          signing_key_path=section.signing_key_path,
+                          anchor_dir=section.anchor_dir, min_free_bytes=section.min_free_bytes)
 
 
 async def run_governor(gov: Governor, server: ServerConfig) -> None:
@@ -103,14 +139,42 @@ async def run_governor(gov: Governor, server: ServerConfig) -> None:
         checkpoints.cancel()
         await listeners.stop()
         await gov.driver.close()
-        gov.audit.close()
+        await close_audit(gov)
 
 
 async def checkpoint_loop(gov: Governor, every_s: float = 1.0) -> None:
-    """Sign a checkpoint when the audit log's record or time threshold is reached."""
+    """Every `every_s`: write the client-event summaries due, sign a checkpoint when the
+    record or time threshold is reached, retry a failed anchor export. An error is logged
+    (once per distinct message, then every minute) and retried on the next tick: the loop
+    only ends when cancelled."""
+    last_message, last_logged = "", 0.0
     while True:
         await asyncio.sleep(every_s)
-        gov.audit.maybe_checkpoint()
+        try:
+            await gov.flush_audit_summaries()
+            await gov.audit.maintain_async()
+        except Exception as exc:
+            now = time.monotonic()
+            if str(exc) != last_message or now - last_logged >= 60:
+                log.error("audit checkpoint loop: %s (retrying every %.1f s)", exc, every_s)
+                last_message, last_logged = str(exc), now
+        else:
+            if last_message:
+                log.warning("audit checkpoint loop recovered")
+                last_message = ""
+
+
+async def close_audit(gov: Governor) -> None:
+    """Write every pending summary, close the log (its final checkpoint), then leave the
+    replica registry (postgres)."""
+    try:
+        await asyncio.wait_for(gov.flush_audit_summaries(force=True), SHUTDOWN_WAIT_S)
+    except Exception as exc:
+        log.error("audit summaries not written at shutdown: %s", exc)
+    await asyncio.to_thread(gov.audit.close)
+    await asyncio.to_thread(gov.epochs.close)
+    if gov.quarantine_store is not None:
+        gov.quarantine_store.close()
 
 
 async def drain(gov: Governor, deadline_s: float) -> None:

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from typing import Any
 
 from adapters.driver import EngineDriver
 from governor.admission import Admission, AdmissionRejected, Ticket
+from governor.audit.counters import AuditCounters
 from governor.audit.entry import AuditLogError
-from governor.audit.log import AuditLog
 from governor.auth import Authenticator
 from governor.config import GovernorConfig, TenantConfig
-from governor.errors import GovernorError, rate_limited, unavailable
+from governor.errors import GovernorError, bad_request, rate_limited, unavailable
 from governor.metrics import GovernorMetrics
 from governor.pipeline import ClientSaltRejected, PipelineInputs, Prepared, prepare
-from governor.secrets import TenantEpochs
+from governor.store.protocols import AuditSink, EpochStore, QuarantineStore
 from policies.priority import PriorityConfig, admission_rank, engine_priority
 from policies.request_fields import FieldRules
 from policies.salts import SaltKey, tenant_salt
 from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence
-from schemas.openai import Route
+from schemas.openai import RequestInvalid, Route, load_json
 
 
 class Governor:
@@ -30,7 +32,7 @@ class Governor:
     """
 
     def __init__(self, config: GovernorConfig, driver: EngineDriver, salt_key: SaltKey,
-                 epochs: TenantEpochs, audit: AuditLog) -> None:
+                 epochs: EpochStore, audit: AuditSink) -> None:
         self.config = config
         self.audit = audit
         self.driver = driver
@@ -45,6 +47,8 @@ class Governor:
         for t in config.tenants:
             self.admission.set_rate_limits(t.id, t.requests_per_s, t.tokens_per_min)
         self.metrics = GovernorMetrics()
+        self.audit_counters = AuditCounters(config.audit.summary_interval_s, audit.refusal)
+        self.quarantine_store: QuarantineStore | None = None  # shared records (postgres)
         self.draining = False
 
     def _inputs(self, tenant: TenantConfig) -> PipelineInputs:
@@ -74,11 +78,20 @@ class Governor:
             self.note_client_salt(tenant.id, "stripped", request_id)
         return prepared
 
+    def prepare_raw(self, tenant: TenantConfig, route: Route, raw: bytes,
+                    request_id: str) -> Prepared:
+        """`prepare` of a raw body (schemas.openai.load_json's rules first)."""
+        try:
+            value = load_json(raw)
+        except RequestInvalid as exc:
+            raise bad_request(exc.message, exc.param) from None
+        return self.prepare(tenant, route, value, request_id)
+
     def note_client_salt(self, tenant_id: str, action: str, request_id: str) -> None:
+        """Counted, and audited as a periodic per-tenant summary (a tenant cannot flood the
+        log); 503 while the log refuses appends."""
         self.metrics.client_salts.labels(tenant_id, action).inc()
-        self.record(AuditEvent(kind=f"client_salt_{action}", actor=tenant_id,
-                               state=AuditState.RECORDED, tenant=tenant_id,
-                               request_id=request_id))
+        self.audit_counters.note(tenant_id, f"client_salt_{action}")
 
     def reserve(self, tenant: TenantConfig) -> Ticket:
         """A place in the admission queue, before the body is read (429 at once if full)."""
@@ -105,21 +118,55 @@ class Governor:
         self.admission.charge_tokens(ticket.tenant, tokens)
         self.admission.cancel(ticket)
 
-    def record(self, event: AuditEvent) -> AuditRecord:
-        """Append to the audit log; if that fails nothing may proceed (SEC-18)."""
+    async def record(self, event: AuditEvent) -> AuditRecord:
+        """Append to the audit log (the writer thread commits it; this awaits durability);
+        if that fails nothing may proceed (SEC-18)."""
         try:
-            return self.audit.append(event)
+            return await self.audit.append_async(event)
         except (AuditLogError, OSError) as exc:
             raise GovernorError(503, f"the audit log cannot be written: {exc}",
                                 "server_error", reason="audit_unwritable") from None
 
-    def rotate(self, tenant_id: str, actor: str) -> AuditRecord:
+    async def rotate(self, tenant_id: str, actor: str) -> AuditRecord:
         """Bump the tenant's epoch: its next request gets a new salt, so nothing it cached
-        before is reachable (SEC-10)."""
-        old, new = self.epochs.bump(tenant_id)
-        return self.record(AuditEvent(kind="rotate", actor=actor, state=AuditState.RECORDED,
-                                      tenant=tenant_id, plan="salt_rotation",
-                                      evidence=Evidence(old_epoch=old, new_epoch=new)))
+        before is reachable (SEC-10). The `rotate` record is durable before the new epoch is
+        visible; when it cannot be written the epoch stays and the answer is 503. Once
+        started, a rotation finishes even if the caller goes away."""
+
+        def event_for(old: int, new: int) -> AuditEvent:
+            return AuditEvent(kind="rotate", actor=actor, state=AuditState.RECORDED,
+                              tenant=tenant_id, plan="salt_rotation",
+                              request_id=f"rot-{uuid.uuid4().hex}",
+                              evidence=Evidence(old_epoch=old, new_epoch=new))
+
+        task = asyncio.ensure_future(self.epochs.rotate(tenant_id, event_for,
+                                                        self.audit.append_async))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            return await asyncio.shield(task)
+        except (AuditLogError, OSError) as exc:
+            raise GovernorError(503, f"the audit log cannot be written: {exc}; the epoch is "
+                                "unchanged", "server_error", reason="audit_unwritable") from None
+
+    def audit_problem(self) -> str | None:
+        """Why the audit log cannot take records now, or the epochs are not confirmed
+        (None when all is well), for `/ready`."""
+        return self.audit.problem() or self.epochs.problem()
+
+    def audit_ready(self) -> bool:
+        return self.audit_problem() is None
+
+    async def flush_audit_summaries(self, force: bool = False) -> int:
+        """Write the client-event summaries due now (all with `force`); their count. Counts
+        that could not be written are kept for the next try."""
+        events = self.audit_counters.pending_summaries(force)
+        for n, event in enumerate(events):
+            try:
+                await self.audit.append_async(event)
+            except BaseException:
+                self.audit_counters.restore(events[n:])
+                raise
+        return len(events)
 
     def tenant_views(self) -> list[dict[str, Any]]:
         return [

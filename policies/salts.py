@@ -50,8 +50,10 @@ CLIENT_SALT_KEYS = frozenset(
 # Body keys whose contents are forwarded as engine extras, so a salt may hide inside them
 # (`nvext.cache_salt` for Dynamo, OpenAI-SDK `extra_body` copies, vLLM `vllm_xargs`).
 CLIENT_SALT_CONTAINERS = frozenset({"extra_body", "nvext", "vllm_xargs"})
-# Headers that pick a namespace upstream (Dynamo `x-tenant-id`, vLLM PR #57609 `x-cache-salt`).
-CLIENT_SALT_HEADERS = frozenset({"x-tenant-id", "x-cache-salt"})
+# Headers that pick a namespace or tenant upstream (Dynamo `x-tenant-id`, vLLM PR #57609
+# `x-cache-salt`, and gateway spellings of the same); never forwarded, counted as dropped.
+CLIENT_SALT_HEADERS = frozenset({"x-tenant-id", "x-cache-salt", "x-cache-namespace",
+                                 "x-kv-namespace"})
 # More salt fields than this in one body is no client mistake: refuse it (bounded work).
 MAX_CLIENT_SALT_HITS = 16
 

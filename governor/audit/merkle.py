@@ -154,6 +154,27 @@ class Frontier:
         self._stack.append((height, h))
         self.size += 1
 
+    def copy(self) -> Frontier:
+        twin = Frontier()
+        twin._stack, twin.size = list(self._stack), self.size
+        return twin
+
+    def to_hex(self) -> list[str]:
+        """The subtree roots, left to right, as hex (their heights follow from `size`)."""
+        return [h.hex() for _, h in self._stack]
+
+    @classmethod
+    def from_hex(cls, size: int, roots: Sequence[str]) -> Frontier:
+        """Inverse of `to_hex`; refuses a stack that does not match `size`."""
+        heights = [b for b in range(size.bit_length() - 1, -1, -1) if size >> b & 1]
+        if size < 0 or len(heights) != len(roots):
+            raise ValueError(f"{len(roots)} subtree roots cannot cover {size} leaves")
+        frontier = cls()
+        frontier._stack = [(height, bytes.fromhex(h)) for height, h in zip(heights, roots,
+                                                                             strict=True)]
+        frontier.size = size
+        return frontier
+
     def root(self) -> bytes:
         if not self._stack:
             return EMPTY_ROOT

@@ -16,6 +16,7 @@ acknowledged, so it is reported, not counted, and everything before it still ver
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -76,7 +77,7 @@ class AuditLogCorrupt(AuditLogError):
 
 
 @dataclass(slots=True)
-class _Scan:
+class LogScan:
     """Running state of one pass over the log lines."""
 
     leaf_hashes: list[bytes] = field(default_factory=list)
@@ -85,6 +86,7 @@ class _Scan:
     first_bad: int | None = None
     problem: str | None = None
     torn_bytes: int = 0
+    epochs: dict[str, int] = field(default_factory=dict)  # the latest rotate per tenant
 
 
 def _split_lines(data: bytes) -> tuple[list[bytes], int]:
@@ -93,43 +95,54 @@ def _split_lines(data: bytes) -> tuple[list[bytes], int]:
     return data[:end].split(b"\n")[:-1], len(data) - end
 
 
-def _line_problem(line: bytes, index: int, prev: bytes, key: Ed25519PublicKey) -> str | None:
+def _line_problem(line: bytes, index: int, prev: bytes,
+                  key: Ed25519PublicKey) -> tuple[str | None, dict[str, Any]]:
+    """Why the line at `index` is bad (None if good), and its record as parsed."""
     try:
         entry = json.loads(line)
     except ValueError:
-        return "not valid JSON"
+        return "not valid JSON", {}
     if not isinstance(entry, dict) or set(entry) != {"prev", "record", "sig"}:
-        return "not a log entry"
+        return "not a log entry", {}
     record = entry["record"]
     if not isinstance(record, dict) or record.get("index") != index:
         found = record.get("index") if isinstance(record, dict) else None
-        return f"holds record index {found!r} at position {index} (deleted, inserted or moved)"
+        return f"holds record index {found!r} at position {index} (deleted, inserted or moved)", {}
     if canonical_json(entry) != line:
-        return "bytes are not the canonical encoding (edited)"
+        return "bytes are not the canonical encoding (edited)", {}
     if entry["prev"] != prev.hex():
-        return "prev root does not match the records before it"
+        return "prev root does not match the records before it", {}
     try:
         body = canonical_json({"prev": entry["prev"], "record": record})
         key.verify(bytes.fromhex(entry["sig"]), RECORD_DOMAIN + body)
     except (InvalidSignature, ValueError, TypeError):
-        return "bad signature (edited or signed by another key)"
+        return "bad signature (edited or signed by another key)", {}
     try:
         AuditRecord.from_dict(record)
     except (ValueError, TypeError) as exc:
-        return f"signed but malformed record: {exc}"
-    return None
+        return f"signed but malformed record: {exc}", {}
+    return None, record
 
 
-def _scan_log(data: bytes, key: Ed25519PublicKey, wanted_sizes: set[int]) -> _Scan:
-    scan = _Scan()
+def _note_rotation(scan: LogScan, record: dict[str, Any]) -> None:
+    event = record["event"]
+    evidence = event["evidence"] or {}
+    if event["kind"] == "rotate" and event["tenant"] and evidence.get("new_epoch") is not None:
+        tenant = event["tenant"]
+        scan.epochs[tenant] = max(scan.epochs.get(tenant, 0), evidence["new_epoch"])
+
+
+def _scan_log(data: bytes, key: Ed25519PublicKey, wanted_sizes: set[int]) -> LogScan:
+    scan = LogScan()
     lines, scan.torn_bytes = _split_lines(data)
     for index, line in enumerate(lines):
         if index in wanted_sizes:
             scan.roots[index] = scan.frontier.root()
-        problem = _line_problem(line, index, scan.frontier.root(), key)
+        problem, record = _line_problem(line, index, scan.frontier.root(), key)
         if problem:
             scan.first_bad, scan.problem = index, f"record {index}: {problem}"
             return scan
+        _note_rotation(scan, record)
         leaf = merkle.leaf_hash(line)
         scan.leaf_hashes.append(leaf)
         scan.frontier.append(leaf)
@@ -141,6 +154,11 @@ def read_checkpoints(path: Path) -> tuple[list[SignedCheckpoint], list[str]]:
     if not path.exists():
         return [], []
     lines, _torn = _split_lines(path.read_bytes())
+    return parse_checkpoints(lines)
+
+
+def parse_checkpoints(lines: list[bytes]) -> tuple[list[SignedCheckpoint], list[str]]:
+    """Checkpoints from their canonical lines; unreadable or edited ones are problems."""
     checkpoints, problems = [], []
     for n, line in enumerate(lines):
         try:
@@ -156,7 +174,7 @@ def read_checkpoints(path: Path) -> tuple[list[SignedCheckpoint], list[str]]:
 
 
 def _check_checkpoints(
-    checkpoints: list[SignedCheckpoint], scan: _Scan, key: Ed25519PublicKey
+    checkpoints: list[SignedCheckpoint], scan: LogScan, key: Ed25519PublicKey
 ) -> tuple[int, int, list[str], list[int]]:
     """(verified, largest verified size, problems, candidate first-bad indices)."""
     verified, good_size, problems, bad = 0, 0, [], []
@@ -183,7 +201,7 @@ def _check_checkpoints(
     return verified, good_size, problems, bad
 
 
-def _check_anchor(anchor: SignedCheckpoint, scan: _Scan) -> tuple[list[str], list[int]]:
+def _check_anchor(anchor: SignedCheckpoint, scan: LogScan) -> tuple[list[str], list[int]]:
     own = checkpoint_problem(anchor, self_signed_key(anchor))
     if own:
         return [f"anchor: {own}"], []
@@ -200,19 +218,19 @@ def _check_anchor(anchor: SignedCheckpoint, scan: _Scan) -> tuple[list[str], lis
 
 
 def _trusted_key(
-    log_path: Path, anchor: SignedCheckpoint | None, public_key: str | None
+    local: str | None, where: str, anchor: SignedCheckpoint | None, public_key: str | None
 ) -> tuple[Ed25519PublicKey, list[str]]:
-    pub_file = public_key_path(log_path)
-    local = pub_file.read_text().strip() if pub_file.exists() else None
+    """The key to verify with: the anchor's, else `public_key`, else `local` (the key stored
+    beside the log, at `where`)."""
     if anchor is not None:
-        trusted = anchor.public_key
-        problems = [f"{pub_file.name} differs from the anchor's key"] if local not in (
+        trusted: str | None = anchor.public_key
+        problems = [f"{where} differs from the anchor's key"] if local not in (
             None, trusted) else []
     else:
         trusted = public_key or local
         problems = []
-        if trusted is None:
-            raise AuditLogError(f"no public key: pass one or an anchor, or restore {pub_file}")
+    if trusted is None:
+        raise AuditLogError(f"no public key: pass one or an anchor, or restore {where}")
     try:
         return Ed25519PublicKey.from_public_bytes(bytes.fromhex(trusted)), problems
     except ValueError as exc:
@@ -234,12 +252,24 @@ def verify(
 
 def verify_with_scan(
     log_path: Path, anchor: SignedCheckpoint | None, public_key: str | None
-) -> tuple[VerifyReport, _Scan, list[SignedCheckpoint]]:
-    key, problems = _trusted_key(log_path, anchor, public_key)
+) -> tuple[VerifyReport, LogScan, list[SignedCheckpoint]]:
+    pub_file = public_key_path(log_path)
+    local = pub_file.read_text().strip() if pub_file.exists() else None
+    key, problems = _trusted_key(local, pub_file.name, anchor, public_key)
     checkpoints, cp_read_problems = read_checkpoints(checkpoints_path(log_path))
-    problems += cp_read_problems
+    return verify_data(log_path.read_bytes(), checkpoints, key, anchor,
+                       problems + cp_read_problems)
+
+
+def verify_data(
+    data: bytes, checkpoints: list[SignedCheckpoint], key: Ed25519PublicKey,
+    anchor: SignedCheckpoint | None, problems: list[str],
+) -> tuple[VerifyReport, LogScan, list[SignedCheckpoint]]:
+    """Verify log bytes (entries, one per line) and their checkpoints with `key`; the file
+    and the database log share this (governor.store.pg_audit)."""
+    problems = list(problems)
     wanted = {cp.tree_size for cp in checkpoints}
-    scan = _scan_log(log_path.read_bytes(), key, wanted)
+    scan = _scan_log(data, key, wanted)
     bad = [] if scan.first_bad is None else [scan.first_bad]
     if scan.problem:
         problems.append(scan.problem)
@@ -262,5 +292,3 @@ def verify_with_scan(
         anchor_size=None if anchor is None else anchor.tree_size,
     )
     return report, scan, checkpoints
-
-

@@ -26,7 +26,7 @@ async def handle_rotate(request: web.Request) -> web.Response:
     tenant_id = request.match_info["tenant_id"]
     if gov.config.tenant(tenant_id) is None:
         raise not_found(f"unknown tenant {tenant_id!r}", "tenant_id")
-    return web.json_response(document(gov.rotate(tenant_id, actor="admin-api")))
+    return web.json_response(document(await gov.rotate(tenant_id, actor="admin-api")))
 
 
 def add_admin_routes(app: web.Application) -> None:

@@ -69,12 +69,12 @@ async def handle_quarantine(request: web.Request) -> web.Response:
 async def handle_show(request: web.Request) -> web.Response:
     service = request.app[QUARANTINE_KEY]
     quarantine_id = request.match_info["quarantine_id"]
-    record: QuarantineRecord | None = service.get(quarantine_id)
+    record = await service.lookup(quarantine_id)
     if record is None:
         return error_response(not_found(
             f"no quarantine {quarantine_id!r} in memory (the audit log has every one)",
             "quarantine_id"))
-    return web.json_response(record.to_json())
+    return web.json_response(record)
 
 
 def _log_unretrieved(task: asyncio.Future[QuarantineRecord]) -> None:

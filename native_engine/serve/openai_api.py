@@ -155,7 +155,10 @@ def sampling_params(parsed: AnyRequest, prompt_len: int, max_model_len: int,
             top_k=parsed.top_k or 0,
             seed=parsed.seed,
             stop=stop,
-            stop_token_ids=tuple(parsed.stop_token_ids or ()) + stop_token_ids,
+            # The model's end-of-generation ids stop a request unless ignore_eos (as vLLM,
+            # which adds generation-config EOS ids to stop_token_ids only without it).
+            stop_token_ids=tuple(parsed.stop_token_ids or ())
+            + (() if parsed.ignore_eos else stop_token_ids),
             ignore_eos=parsed.ignore_eos,
             logprobs=logprobs,
             priority=chosen if priority_enabled else 0,

@@ -94,8 +94,9 @@ async def test_flush_during_a_long_request_is_never_verified(vllm_server: VllmSe
         driver = service.gov.driver
         body = {"model": vllm_server.model, "prompt": letters(20), "max_tokens": 1500,
                 "ignore_eos": True, "temperature": 0}
-        long = driver.generate(EngineRequest.of(uuid.uuid4().hex, "completions", body, "acme",
-                                             service.gov.salt_for("acme"), stream=True))
+        long = driver.generate(EngineRequest.of(uuid.uuid4().hex, "completions",
+                                                {**body, "stream": True}, "acme",
+                                                service.gov.salt_for("acme")))
         first = await anext(long)  # the long request is running from here
         assert first.data is not None
         try:

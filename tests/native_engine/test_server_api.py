@@ -106,6 +106,8 @@ def test_sampling_params_follow_vllm_defaults_and_limits() -> None:
     assert isinstance(comp, CompletionRequest)
     p = sampling_params(comp, 2, 100, (), priority_enabled=False)
     assert (p.max_tokens, p.priority, p.ignore_eos, p.logprobs) == (16, 0, True, None)
+    # ignore_eos ignores every end-of-generation id of the model, not only the EOS
+    assert sampling_params(comp, 2, 100, (2, 7), priority_enabled=False).stop_token_ids == ()
     assert error_of(sampling_params, comp, 100, 100, (), True).param == "input_tokens"
     # vLLM 0.32 clamps max_tokens to the room the prompt leaves (its get_max_tokens).
     big = validate_body("completions", {"prompt": "x", "max_tokens": 99})

@@ -1,0 +1,99 @@
+"""A governor (`fak serve --config CONFIG`) started for the length of a benchmark, on a free
+loopback port, with its own fresh data directory (a new salt key, its own audit log) under
+the run's output directory, so a benchmark never touches an operator's state. Its log is
+kept beside the results; its CPU time is read from /proc for the overhead figures."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from governor.config import GovernorConfig, load_config
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+class GovernorStartError(RuntimeError):
+    """The governor did not become ready; the message carries its log tail."""
+
+
+@dataclass
+class GovernorProcess:
+    url: str
+    config: GovernorConfig
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the governor process so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")[-chars:]
+    return ""
+
+
+@contextlib.contextmanager
+def running_governor(config_path: Path, workdir: Path) -> Iterator[GovernorProcess]:
+    config = load_config(config_path)
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / "governor.log"
+    cmd = [sys.executable, "-m", "governor.cli", "serve", "--config", str(config_path),
+           "--host", "127.0.0.1", "--port", str(port), "--data-dir",
+           str(workdir / "governor-data"), "--init-key"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    gov = GovernorProcess(f"http://127.0.0.1:{port}", config, log_path, proc)
+    try:
+        _wait_ready(gov)
+        yield gov
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(gov: GovernorProcess) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if gov.process.poll() is not None:
+                raise GovernorStartError(f"governor exited with {gov.process.returncode}:\n"
+                                         f"{_tail(gov.log_path)}")
+            with contextlib.suppress(httpx.TransportError):
+                if client.get(f"{gov.url}/ready").status_code == 200:
+                    return
+            time.sleep(0.2)
+    raise GovernorStartError(f"governor not ready after {STARTUP_TIMEOUT_S:.0f} s:\n"
+                             f"{_tail(gov.log_path)}")
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

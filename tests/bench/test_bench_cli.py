@@ -1,0 +1,116 @@
+"""`fak bench ab` and `fak bench overhead` end to end through the command line, against
+fake upstreams (ab) and the near-instant upstream with a real `fak serve` (overhead)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from governor.auth import sha256_hex
+from governor.cli import main
+
+from .fake_upstream import FakeUpstream, FakeUpstreamConfig, serving_in_thread
+from .outputs import check_outputs
+
+ROOT = Path(__file__).resolve().parents[2]
+@pytest.mark.slow
+def test_ab_from_the_command_line(tmp_path: Path, tokenizer, capsys) -> None:  # type: ignore[no-untyped-def]
+    ups = [FakeUpstream(FakeUpstreamConfig(seed=i, sigma=0.05), tokenizer) for i in (1, 2)]
+    plan = tmp_path / "plan.toml"
+    with serving_in_thread(*ups) as (a, b):
+        plan.write_text(f'workload = "prefix-repetition"\nprefix_len = 32\ninput_len = 8\n'
+                        f'num_prefixes = 2\noutput_len = 3\nblocks = 3\n'
+                        f'[arms]\na = "{a}"\nb = "{b}"\n')
+        rc = main(["bench", "ab", "--plan", str(plan), "--concurrency", "1,4",
+                   "--out", str(tmp_path / "out"), "--no-progress", "--metric", "ttft.p50"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1)
+    assert "c1 b/a:" in out and "c4 b/a:" in out
+    docs = check_outputs(tmp_path / "out", ("a", "b"), ("c1", "c4"))
+    assert rc == (0 if all(d["comparison"]["claim_allowed"] for d in docs) else 1)
+    assert docs[0]["workload"]["name"] == "prefix-repetition"
+    # shared prefixes inside a block are this run's own reuse, not contamination
+    assert all("cached prompt tokens" not in r for d in docs for r in d["comparison"]["reasons"])
+    assert any(a["figures"]["prefix_cache_hit_ratio"] for d in docs for a in d["arms"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "ab", "--arm", "a=http://127.0.0.1:1"],
+    ["bench", "ab", "--arm", "a=http://x", "--arm", "a=http://y"],
+    ["bench", "ab", "--arm", "a=ftp://x", "--arm", "b=http://y"],
+    ["bench", "ab", "--arm", "a=http://x/v1", "--arm", "b=http://y"],
+    ["bench", "ab", "--arm", "noequals", "--arm", "b=http://y"],
+    ["bench", "ab", "--arm", "a=http://x", "--arm", "b=http://y", "--blocks", "1"],
+    ["bench", "ab", "--arm", "a=http://x", "--arm", "b=http://y", "--workload", "tenant-mix",
+     "--arm-log", "zzz=/tmp/log"],
+])
+def test_bad_usage_is_refused_in_one_line(argv: list[str], capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fak bench: ") and err.count("\n") == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_overhead_from_the_command_line(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    port = _free_port()
+    upstream = subprocess.Popen([sys.executable, str(ROOT / "bench" / "instant_upstream.py"),
+                                 "--port", str(port)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        config = tmp_path / "fak.toml"
+        config.write_text(f'[server]\ndata_dir = "{tmp_path / "data"}"\n'
+                          f'[engine]\nkind = "vllm"\nbase_url = "{url}"\nmodel = "smollm2"\n'
+                          f'[engine.declare]\nprompt_tokens_details = true\n'
+                          f'[[tenants]]\nid = "bench"\napi_key_sha256 = ["{sha256_hex("k-1")}"]'
+                          f'\nclass = "interactive"\n')
+        monkeypatch.setenv("FAK_BENCH_API_KEY", "k-1")
+        monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH",
+                                                                                 ""))
+        out = tmp_path / "out"
+        rc = main(["bench", "overhead", "--engine", url, "--config", str(config), "--out",
+                   str(out), "--rounds", "3", "--per-round", "4", "--warmup", "2",
+                   "--concurrency", "1,4", "--max-tokens", "4",
+                   "--engine-compile-cache", "not_applicable", "--no-progress"])
+    finally:
+        upstream.terminate()
+        upstream.wait(10)
+    text = capsys.readouterr().out
+    assert rc in (0, 1)
+    assert "added latency p50" in text and "added TTFT p99" in text
+    assert "output throughput ratio" in text and "CPU time per request" in text
+    check_outputs(out, ("direct", "governor"),
+                  ("latency-c1", "ttft-c1", "throughput-c1", "throughput-c4"))
+    assert (out / "governor" / "governor-data").is_dir()  # its own fresh data dir
+    assert "plan_sha256" in json.loads(next((out / "artifacts").glob("*.json")).read_text())[
+        "workload"]
+
+
+def test_overhead_refuses_a_config_that_governs_another_engine(tmp_path: Path,
+                                                               capsys) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "fak.toml"
+    config.write_text('[engine]\nkind = "vllm"\nbase_url = "http://127.0.0.1:9"\n')
+    assert main(["bench", "overhead", "--engine", "http://127.0.0.1:8", "--config",
+                 str(config)]) == 2
+    assert "must govern --engine" in capsys.readouterr().err
