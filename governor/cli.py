@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from governor.admin_client import add_quarantine_parser, add_tenants_parser
 from governor.bench.cli import add_bench_parser
 from governor.config import ConfigError
+from governor.isolation.cli import add_isolation_parser
 from governor.secrets import StartupRefused
 
 
@@ -27,7 +28,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_audit(sub: argparse._SubParsersAction) -> None:
-    audit = sub.add_parser("audit", help="verify the audit log, export signed checkpoints")
+    audit = sub.add_parser("audit", help="verify the audit log, export signed checkpoints, "
+                           "audit cache isolation")
     asub = audit.add_subparsers(dest="audit_command", required=True, metavar="ACTION")
     verify = asub.add_parser("verify", help="verify LOG end to end; name the first bad index")
     verify.add_argument("log", nargs="?", help="the log file, or a postgresql:// DSN (prefer "
@@ -42,6 +44,7 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
                             "signing_key_path keeps it outside the data dir")
     checkpoint.add_argument("--dsn-env", metavar="VAR", help="the shared log in the "
                             "PostgreSQL database whose DSN is in $VAR")
+    add_isolation_parser(asub)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -146,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from governor.bench.cli import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "audit" and args.audit_command == "isolation":
+            from governor.isolation.cli import cmd_audit_isolation
+
+            return cmd_audit_isolation(args)
         if args.command == "audit":
             return _audit(args)
     except (ConfigError, StartupRefused) as exc:

@@ -7,6 +7,7 @@ limits, its own availability — with OpenAI's error types.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from schemas.engine import APIError
@@ -44,7 +45,7 @@ def too_large(limit: int) -> GovernorError:
 
 
 def rate_limited(reason: str, retry_after_s: float) -> GovernorError:
-    seconds = max(1, int(retry_after_s + 0.999))
+    seconds = max(1, math.ceil(retry_after_s))  # never earlier than the wait
     return GovernorError(429, f"Too many requests ({reason}); retry in {seconds} s.",
                          "rate_limit_error", headers={"Retry-After": str(seconds)},
                          reason=reason)

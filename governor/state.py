@@ -102,6 +102,7 @@ class Governor:
                                           admission_rank(self.priorities, tenant.tenant_class),
                                           tenant.queue_limit)
         except AdmissionRejected as rej:
+            self.metrics.rejections.labels(tenant.id, rej.reason).inc()
             raise rate_limited(rej.reason, rej.retry_after_s) from None
 
     async def admit(self, ticket: Ticket) -> float:

@@ -35,6 +35,7 @@ class NativeServerConfig:
     block_size: int = 32
     num_blocks: int = 65
     max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the server's default
     kv_topic: str = "kv"
     startup_timeout_s: float = 300.0
     cache_control_token: str | None = "fak-test-cache-control-token"
@@ -86,6 +87,8 @@ def server_command(config: NativeServerConfig, http_port: int, kv_port: int,
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
                  "endpoint": f"tcp://*:{kv_port}",
                  "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": config.kv_topic}
+    budget = ([] if config.max_num_batched_tokens is None
+              else ["--max-num-batched-tokens", str(config.max_num_batched_tokens)])
     return [
         sys.executable, "-m", "native_engine.serve.server",
         "--host", "127.0.0.1", "--port", str(http_port),
@@ -98,6 +101,7 @@ def server_command(config: NativeServerConfig, http_port: int, kv_port: int,
         "--kv-events-config", json.dumps(kv_events),
         "--dev-mode",
         *(["--enable-cache-control"] if config.cache_control_token else []),
+        *budget,
     ]  # fmt: skip
 
 
