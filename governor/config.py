@@ -54,6 +54,9 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineSection:
+    """`[engine]`. `allow_remote_kv`: KV-event sockets may leave loopback (SEC-17: the
+    streams carry every tenant's tokens and salts; off by default)."""
+
     kind: Literal["native", "vllm"] = "native"
     model: str | None = None
     base_url: str | None = None
@@ -62,6 +65,7 @@ class EngineSection:
     metrics_url: str | None = None
     max_model_len: int = 2048
     num_blocks: int | None = None
+    allow_remote_kv: bool = False
     declare: CapabilityDeclaration = field(default_factory=CapabilityDeclaration)
 
 

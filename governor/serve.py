@@ -14,6 +14,7 @@ from adapters.driver import EngineDriver
 from governor.audit.log import AuditLog, AuditLogConfig
 from governor.auth import sha256_hex
 from governor.config import (
+    ConfigError,
     EngineSection,
     GovernorConfig,
     ServerConfig,
@@ -24,7 +25,7 @@ from governor.config import (
 from governor.http.server import GovernorServer
 from governor.secrets import StartupRefused, TenantEpochs, load_salt_key
 from governor.state import Governor
-from policies.salts import SaltKey, SaltKeyError
+from policies.salts import SaltKey, SaltKeyError, kv_namespace_key
 
 log = logging.getLogger("fak.serve")
 
@@ -40,17 +41,19 @@ def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
     return replace(config, server=server, tenants=(tenant,)), api_key, admin_token
 
 
-def build_driver(config: GovernorConfig) -> EngineDriver:
+def build_driver(config: GovernorConfig, salt_key: SaltKey) -> EngineDriver:
     if config.engine.kind == "native":
         from adapters.native import NativeDriver, NativeDriverConfig
 
         return NativeDriver(NativeDriverConfig.from_section(config.engine))
-    return build_vllm_driver(config.engine)
+    return build_vllm_driver(config.engine, kv_namespace_key(salt_key))
 
 
-def build_vllm_driver(section: EngineSection) -> EngineDriver:
-    """The ridden vLLM: HTTP driver, KV-event subscriber when configured, dev-mode reset
-    client only when the operator declares it (every call logged)."""
+def build_vllm_driver(section: EngineSection, namespace_key: bytes | None = None
+                      ) -> EngineDriver:
+    """The ridden vLLM: HTTP driver, KV-event subscriber when configured (its index names
+    namespaces by `namespace_key` digests), dev-mode reset client only when the operator
+    declares it (every call logged)."""
     from adapters.vllm.capabilities import VLLMDeclarations
     from adapters.vllm.dev_control import DevControlConfig, VLLMDevControl
     from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
@@ -64,8 +67,13 @@ def build_vllm_driver(section: EngineSection) -> EngineDriver:
         served_model=section.model)
     kv = None
     if section.kv_events:
-        kv = KVEventSubscriber(KVSubscriberConfig(endpoint=section.kv_events,
-                                                  replay_endpoint=section.kv_replay))
+        try:
+            kv_config = KVSubscriberConfig(endpoint=section.kv_events,
+                                           replay_endpoint=section.kv_replay,
+                                           allow_remote=section.allow_remote_kv)
+        except ValueError as exc:
+            raise ConfigError(f"[engine] kv_events: {exc}") from None
+        kv = KVEventSubscriber(kv_config, namespace_key)
     dev = None
     if declare.prefix_reset:
         dev = VLLMDevControl(DevControlConfig(section.base_url, enabled=True),
@@ -73,19 +81,36 @@ def build_vllm_driver(section: EngineSection) -> EngineDriver:
     return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev)
 
 
-def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:
+def governor_salt_key(config: GovernorConfig, create_key: bool) -> SaltKey:
+    """The salt key in data_dir (created only when asked); refuses start-up otherwise."""
     data_dir = config.server.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        key = SaltKey(load_salt_key(data_dir, create=create_key))
+        return SaltKey(load_salt_key(data_dir, create=create_key))
     except SaltKeyError as exc:
         raise StartupRefused(str(exc)) from exc
-    audit = AuditLog.open(AuditLogConfig(data_dir))
-    return Governor(config, driver, key, TenantEpochs(data_dir), audit)
+
+
+def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:
+    key = governor_salt_key(config, create_key)
+    audit = AuditLog.open(AuditLogConfig(config.server.data_dir))
+    return Governor(config, driver, key, TenantEpochs(config.server.data_dir), audit)
+
+
+async def start_driver(driver: EngineDriver) -> None:
+    """Start the engine driver; an upstream that fails its probes refuses start-up in one
+    line (SEC-16)."""
+    from adapters.vllm.capabilities import CapabilityRefusedError
+
+    try:
+        await driver.start()
+    except CapabilityRefusedError as exc:
+        await driver.close()
+        raise StartupRefused(f"upstream refused: {exc}") from None
 
 
 async def run_governor(gov: Governor, server: ServerConfig) -> None:
-    await gov.driver.start()
+    await start_driver(gov.driver)
     listeners = GovernorServer(gov)
     await listeners.start(server.host, server.port, server.metrics_host,
                           server.metrics_listen_port)
@@ -137,7 +162,8 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
     if data_dir and config_path:
         server = replace(server, data_dir=Path(data_dir))
     config = replace(config, server=server)
-    gov = build_governor(config, build_driver(config), create_key)
+    driver = build_driver(config, governor_salt_key(config, create_key))
+    gov = build_governor(config, driver, create_key)
     if banner:
         print(banner, flush=True)
     asyncio.run(run_governor(gov, server))

@@ -71,6 +71,25 @@ def parse_samples(text: str) -> Samples:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheConfigInfo:
+    """One engine's `vllm:cache_config_info` labels that fak relies on (None = absent)."""
+
+    engine: str | None
+    prefix_caching_hash_algo: str | None
+    enable_prefix_caching: bool | None
+    block_size: int | None
+    num_gpu_blocks: int | None
+    num_cpu_blocks: int | None
+
+    @property
+    def num_blocks(self) -> int | None:
+        """Blocks the engine can hold on every medium it reports (GPU, plus CPU offload)."""
+        if self.num_gpu_blocks is None:
+            return None
+        return self.num_gpu_blocks + (self.num_cpu_blocks or 0)
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsSnapshot:
     """Cumulative values of one scrape, by normalised field name (None = not exported)."""
 
@@ -78,6 +97,7 @@ class MetricsSnapshot:
     counters: dict[str, float | None]
     histograms: dict[str, Buckets | None]
     block_size: int | None = None
+    cache_config: tuple[CacheConfigInfo, ...] = ()
 
 
 def _matching(rows: list[tuple[dict[str, str], float]], model: str | None) -> list[float]:
@@ -118,12 +138,25 @@ def _histogram(samples: Samples, field: str, model: str | None) -> Buckets | Non
     return None
 
 
-def _block_size(samples: Samples) -> int | None:
+def _label_int(labels: dict[str, str], name: str) -> int | None:
+    raw = labels.get(name, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def _cache_config(samples: Samples) -> tuple[CacheConfigInfo, ...]:
+    """One record per engine (DP rank) exporting `vllm:cache_config_info`."""
+    records = []
     for labels, _ in samples.get("vllm:cache_config_info", []):
-        raw = labels.get("block_size", "")
-        if raw.isdigit():
-            return int(raw)
-    return None
+        prefix = labels.get("enable_prefix_caching")
+        records.append(CacheConfigInfo(
+            engine=labels.get("engine"),
+            prefix_caching_hash_algo=labels.get("prefix_caching_hash_algo") or None,
+            enable_prefix_caching=None if prefix not in ("True", "False") else prefix == "True",
+            block_size=_label_int(labels, "block_size"),
+            num_gpu_blocks=_label_int(labels, "num_gpu_blocks"),
+            num_cpu_blocks=_label_int(labels, "num_cpu_blocks"),
+        ))
+    return tuple(records)
 
 
 def _check_value(name: str, value: float | None, upper: float = math.inf) -> None:
@@ -153,11 +186,13 @@ def snapshot_from_text(text: str, model: str | None = None) -> MetricsSnapshot:
         histograms = {f: _histogram(samples, f, model) for f in HISTOGRAMS}
     except ValueError as exc:
         raise MetricsParseError(f"histogram with a non-numeric bucket bound: {exc}") from exc
+    cache_config = _cache_config(samples)
     snapshot = MetricsSnapshot(
         gauges={f: _gauge(samples, f, model) for f in GAUGES},
         counters={f: _counter(samples, f, model) for f in COUNTERS},
         histograms=histograms,
-        block_size=_block_size(samples),
+        block_size=next((c.block_size for c in cache_config if c.block_size), None),
+        cache_config=cache_config,
     )
     for name, value in (*snapshot.gauges.items(), *snapshot.counters.items()):
         _check_value(name, value, 1.0 if name == "kv_usage" else math.inf)

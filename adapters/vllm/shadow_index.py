@@ -2,7 +2,15 @@
 
 Each resident block hash maps to its parent, its namespace (the `cache_salt` read from block
 0's `extra_keys`, inherited down the parent chain; later blocks' entries, null or not, never
-carry a salt), the media it sits on and its block size. Token ids are never kept (SEC-17).
+carry a salt), the media it sits on and its block size. Token ids are never kept, and a
+namespace is kept only as `namespace_digest(key, salt)` — an HMAC under a key derived from
+the governor's salt key (random per index when none is given) — never as the salt (SEC-17).
+Lookups take the salt and digest it.
+
+The index is bounded (SEC-17): it holds at most `capacity` blocks — the engine's own block
+count for the rank — since a correct stream can never describe more. A store beyond that is
+dropped and counted in `overflow_drops`; whoever follows the stream must then treat the rank
+as UNCERTAIN (the index no longer mirrors the engine). `clear()` resets the count.
 
 A namespace is `certain` only when it was read from a root block's `extra_keys` or inherited
 from a resident parent whose namespace was certain; a block stored under an unknown parent,
@@ -11,26 +19,31 @@ A medium of None (S1 events) counts as "GPU".
 
 Invariants (`check_integrity`): every block has at least one medium; `_by_namespace` holds
 exactly the certain blocks, each under its own namespace; `_uncertain` holds exactly the
-uncertain ones; no block is its own parent.
+uncertain ones; no block is its own parent; at most `capacity` blocks.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from policies.salts import namespace_digest
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MEDIUM = "GPU"
+DEFAULT_CAPACITY = 1 << 18  # blocks, until the engine's own block count is known
 _MM_HASH = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
 class BlockInfo:
+    """One resident block; `namespace` is the digest of its salt (None: no salt)."""
+
     block_hash: int
     parent: int | None
     namespace: str | None
@@ -82,11 +95,25 @@ def salt_from_root_keys(keys: Any, lora_name: str | None) -> Attribution:
 class ShadowIndex:
     """Block hash → BlockInfo for one engine rank. Not thread-safe; one event loop owns it."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY,
+                 namespace_key: bytes | None = None) -> None:
+        self.set_capacity(capacity)
+        self._key = namespace_key if namespace_key is not None else secrets.token_bytes(32)
+        namespace_digest(self._key, "")  # checks the key once
         self._blocks: dict[int, BlockInfo] = {}
         self._by_namespace: dict[str | None, set[int]] = {}
         self._uncertain: set[int] = set()
         self.anomalies = 0
+        self.overflow_drops = 0
+
+    def set_capacity(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        self.capacity = capacity
+
+    def namespace_id(self, salt: str | None) -> str | None:
+        """How this index names the namespace of `salt` (None stays None)."""
+        return None if salt is None else namespace_digest(self._key, salt)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -94,14 +121,15 @@ class ShadowIndex:
     def get(self, block_hash: int) -> BlockInfo | None:
         return self._blocks.get(block_hash)
 
-    def resident(self, namespace: str | None) -> frozenset[int]:
-        """Blocks certainly in `namespace` (None = requests without a salt)."""
-        return frozenset(self._by_namespace.get(namespace, ()))
+    def resident(self, salt: str | None) -> frozenset[int]:
+        """Blocks certainly in the namespace of `salt` (None = requests without a salt)."""
+        return frozenset(self._by_namespace.get(self.namespace_id(salt), ()))
 
     def uncertain(self) -> frozenset[int]:
         return frozenset(self._uncertain)
 
     def namespaces(self) -> dict[str | None, int]:
+        """Blocks per namespace digest (None: unsalted)."""
         return {ns: len(hashes) for ns, hashes in self._by_namespace.items() if hashes}
 
     def all_blocks(self) -> frozenset[int]:
@@ -121,6 +149,7 @@ class ShadowIndex:
             self._blocks.clear()
             self._by_namespace.clear()
             self._uncertain.clear()
+            self.overflow_drops = 0
             return
         for block_hash in list(self._blocks):
             self._drop_medium(block_hash, medium)
@@ -133,9 +162,10 @@ class ShadowIndex:
             return Attribution(parent.namespace, parent.namespace_certain)
         if event.extra_keys is None:  # S1/S2 carry no extra keys: the salt is unknowable
             return Attribution(None, False)
-        return salt_from_root_keys(
+        found = salt_from_root_keys(
             event.extra_keys[0] if event.extra_keys else None, event.lora_name
         )
+        return Attribution(self.namespace_id(found.namespace), found.certain)
 
     def _store(self, event: BlockStored) -> None:
         if len(set(event.block_hashes)) != len(event.block_hashes):
@@ -156,6 +186,9 @@ class ShadowIndex:
             self.anomalies += 1
             return
         known = self._blocks.get(block_hash)
+        if known is None and len(self._blocks) >= self.capacity:
+            self.overflow_drops += 1
+            return
         if known is None:
             info = BlockInfo(
                 block_hash,
@@ -230,3 +263,4 @@ class ShadowIndex:
         for block_hash, info in self._blocks.items():
             assert info.block_hash == block_hash and info.media, f"block {block_hash} has no medium"
             assert info.parent != block_hash, f"block {block_hash} is its own parent"
+        assert len(self._blocks) <= self.capacity, "index over its capacity"
