@@ -1,11 +1,45 @@
-"""The one protocol every engine driver implements (docs/design.md §4)."""
+"""The one protocol every engine driver implements (docs/design.md §4).
+
+A driver has two parts: generation (`generate`, with its health and metrics) and cache
+control (`cache_control`: exact-span eviction, whole-prefix reset, KV-event evidence after
+a watermark, the canary probe). A driver implements the cache-control calls its engine
+offers and answers `CacheControlUnsupported` for the rest; its `capabilities` say which
+(`exact_span_evict`, `prefix_reset`, `kv_events`). The quarantine service reaches engines
+only through this protocol.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
-from schemas.engine import EngineCapabilities, EngineRequest, StreamChunk
+from schemas.cache_control import KVMark, KVRemoval, ResetResult, SpanEviction, SpanSpec
+from schemas.engine import EngineCapabilities, EngineRequest, StreamChunk, Usage
+from schemas.openai import Route
+
+
+class CacheControl(Protocol):
+    async def evict_span(self, namespace: str, span: SpanSpec, start: int) -> SpanEviction:
+        """Evict `span` from `start` (and what derives from it) in `namespace` only.
+        Raises ValueError for a span the engine cannot take (e.g. start past its end)."""
+        ...
+
+    async def reset_prefix_cache(self) -> ResetResult: ...
+
+    async def kv_mark(self, settle_s: float) -> KVMark | None:
+        """The KV-event watermark once the stream has caught up (bounded wait); None when
+        the engine publishes no KV events to this driver."""
+        ...
+
+    async def kv_removal(self, mark: KVMark, done: Callable[[KVRemoval], bool],
+                         timeout_s: float) -> KVRemoval:
+        """The evidence after `mark`, waiting until `done(evidence)` or the timeout."""
+        ...
+
+    async def probe(self, tenant: str, salt: str, route: Route, body: dict[str, Any],
+                    timeout_s: float) -> Usage | None:
+        """One greedy, one-token request in `salt`'s namespace: its usage (the canary)."""
+        ...
 
 
 @runtime_checkable
@@ -19,6 +53,7 @@ class EngineDriver(Protocol):
     """
 
     capabilities: EngineCapabilities
+    cache_control: CacheControl
 
     async def start(self) -> None: ...
 

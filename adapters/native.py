@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.native_cache import NativeCacheControl
 from native_engine.async_engine import AsyncLLMEngine, EngineState, Liveness, SupervisorConfig
 from native_engine.config import EngineConfig
 from native_engine.engine import EngineStats, LLMEngine
+from native_engine.kvcache.events import KVEventRecorder, MemoryEventPublisher
 from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
 from schemas.engine import (
     Determinism,
@@ -45,12 +47,15 @@ class NativeDriverConfig:
 
 
 class NativeDriver:
-    """Runs the native engine in this process; capabilities are what it implements."""
+    """Runs the native engine in this process; capabilities are what it implements. Its
+    KV events go to memory (`events`), where the cache control reads its evidence."""
 
     def __init__(self, config: NativeDriverConfig | None = None,
                  engine: LLMEngine | None = None) -> None:
         self.config = config or NativeDriverConfig()
         self._engine = engine
+        self.events = MemoryEventPublisher()
+        self.cache_control = NativeCacheControl(self, self.events)
         self.engine: AsyncLLMEngine | None = None
         self.serving: OpenAIServing | None = None
         self._last_stats: EngineStats | None = None
@@ -58,13 +63,13 @@ class NativeDriver:
             engine_kind="native", model_id=self.config.served_model_name,
             max_model_len=self.config.engine.model_len, block_size=self.config.engine.block_size,
             cache_salt=True, priority_scheduling=True, exact_span_evict=True,
-            prefix_reset=True, cached_tokens_in_usage=True,
+            prefix_reset=True, cached_tokens_in_usage=True, kv_events=engine is None,
             determinism=Determinism.UNAVAILABLE,
         )
 
     async def start(self) -> None:
-        engine = self._engine or await asyncio.to_thread(LLMEngine.from_config,
-                                                         self.config.engine)
+        engine = self._engine or await asyncio.to_thread(
+            LLMEngine.from_config, self.config.engine, KVEventRecorder(self.events))
         self.engine = AsyncLLMEngine(engine, self.config.supervisor)
         await self.engine.start()
         runner = engine.runner

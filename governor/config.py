@@ -66,6 +66,7 @@ class EngineSection:
     max_model_len: int = 2048
     num_blocks: int | None = None
     allow_remote_kv: bool = False
+    cache_control_token_env: str | None = None
     declare: CapabilityDeclaration = field(default_factory=CapabilityDeclaration)
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import signal
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from adapters.driver import EngineDriver
 from governor.audit.log import AuditLog, AuditLogConfig
@@ -78,7 +80,23 @@ def build_vllm_driver(section: EngineSection, namespace_key: bytes | None = None
     if declare.prefix_reset:
         dev = VLLMDevControl(DevControlConfig(section.base_url, enabled=True),
                              lambda call: log.warning("dev-mode control call: %s", call))
-    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev)
+    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev,
+                      fak_control=fak_control_client(section))
+
+
+def fak_control_client(section: EngineSection) -> Any:
+    """The cache-control client of `fak engine serve`, when its token is configured."""
+    from adapters.vllm.fak_control import FakCacheControlClient, FakControlConfig
+
+    if section.cache_control_token_env is None:
+        return None
+    token = os.environ.get(section.cache_control_token_env, "")
+    if not token:
+        raise StartupRefused(f"[engine] cache_control_token_env names "
+                             f"${section.cache_control_token_env}, which is not set")
+    assert section.base_url is not None
+    return FakCacheControlClient(FakControlConfig(section.base_url, token),
+                                 lambda call: log.warning("cache-control call: %s", call))
 
 
 def governor_salt_key(config: GovernorConfig, create_key: bool) -> SaltKey:

@@ -11,7 +11,7 @@ from governor.audit.entry import AuditLogError
 from governor.audit.log import AuditLog
 from governor.auth import Authenticator
 from governor.config import GovernorConfig, TenantConfig
-from governor.errors import GovernorError, rate_limited, unavailable
+from governor.errors import GovernorError, bad_request, rate_limited, unavailable
 from governor.metrics import GovernorMetrics
 from governor.pipeline import ClientSaltRejected, PipelineInputs, Prepared, prepare
 from governor.secrets import TenantEpochs
@@ -19,7 +19,7 @@ from policies.priority import PriorityConfig, admission_rank, engine_priority
 from policies.request_fields import FieldRules
 from policies.salts import SaltKey, tenant_salt
 from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence
-from schemas.openai import Route
+from schemas.openai import RequestInvalid, Route, load_json
 
 
 class Governor:
@@ -73,6 +73,15 @@ class Governor:
         if prepared.stripped_salts:
             self.note_client_salt(tenant.id, "stripped", request_id)
         return prepared
+
+    def prepare_raw(self, tenant: TenantConfig, route: Route, raw: bytes,
+                    request_id: str) -> Prepared:
+        """`prepare` of a raw body (schemas.openai.load_json's rules first)."""
+        try:
+            value = load_json(raw)
+        except RequestInvalid as exc:
+            raise bad_request(exc.message, exc.param) from None
+        return self.prepare(tenant, route, value, request_id)
 
     def note_client_salt(self, tenant_id: str, action: str, request_id: str) -> None:
         self.metrics.client_salts.labels(tenant_id, action).inc()

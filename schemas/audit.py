@@ -8,6 +8,7 @@ integer milliseconds: the log hashes canonical JSON, and floats have no canonica
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass
@@ -191,7 +192,7 @@ class SignedCheckpoint:
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(cls.__dataclass_fields__)
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _exact_keys(raw: Any, names: tuple[str, ...], what: str) -> None:

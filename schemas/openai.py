@@ -63,7 +63,8 @@ def load_json(raw: bytes) -> Any:
     except RecursionError:
         raise RequestInvalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
                              None, _json_error(0, "nesting too deep")) from None
-    check_json_values(value)
+    # Strict UTF-8 cannot carry a surrogate: only a \\uD800-\\uDFFF escape can make one.
+    check_json_values(value, strings=b"\\ud" in raw.lower())
     return value
 
 
@@ -72,26 +73,29 @@ def _json_error(pos: int, reason: str) -> tuple[dict[str, Any], ...]:
              "ctx": {"error": reason}},)
 
 
-def check_json_values(value: Any) -> None:
-    """Depth ≤ MAX_JSON_DEPTH and no lone surrogate in any string or key (they cannot be
-    encoded to UTF-8 again, so no engine could receive them). One pass, iterative."""
+def check_json_values(value: Any, strings: bool = True) -> None:
+    """Depth ≤ MAX_JSON_DEPTH and (with `strings`) no lone surrogate in any string or key
+    (they cannot be encoded to UTF-8 again, so no engine could receive them). One pass,
+    iterative; only containers are pushed."""
+    if not isinstance(value, dict | list):
+        if strings and isinstance(value, str):
+            _check_text(value)
+        return
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, str):
-            _check_text(item)
-            continue
-        if not isinstance(item, dict | list):
-            continue
         if depth > MAX_JSON_DEPTH:
             raise RequestInvalid(f"the request body nests deeper than {MAX_JSON_DEPTH} "
                                  "levels", None, _json_error(0, "nesting too deep"))
-        if isinstance(item, dict):
-            for key, child in item.items():
+        children = item.values() if isinstance(item, dict) else item
+        if strings and isinstance(item, dict):
+            for key in item:
                 _check_text(key)
+        for child in children:
+            if isinstance(child, dict | list):
                 stack.append((child, depth + 1))
-        else:
-            stack.extend((child, depth + 1) for child in item)
+            elif strings and isinstance(child, str):
+                _check_text(child)
 
 
 def _check_text(text: str) -> None:
@@ -221,11 +225,13 @@ def parse_request(route: Route, value: Any) -> AnyRequest:
                              ({"type": "model_attributes_type", "loc": (),
                                "msg": "Input should be a valid dictionary or object to "
                                       "extract fields from", "input": value},))
-    model = ChatRequest if route == "chat" else CompletionRequest
+    model: type[ChatRequest] | type[CompletionRequest] = \
+        ChatRequest if route == "chat" else CompletionRequest
     try:
         parsed = model.model_validate(value)
     except ValidationError as exc:
-        errors = tuple(exc.errors(include_url=False))
+        errors: tuple[dict[str, Any], ...] = tuple(
+            dict(e) for e in exc.errors(include_url=False))
         first = errors[0]
         param = _param(tuple(first["loc"]))
         raise RequestInvalid(f"{param or 'body'}: {first['msg']}", param, errors) from None

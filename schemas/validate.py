@@ -42,7 +42,7 @@ class DocumentInvalid(ValueError):
 def load_schema(name: str) -> dict[str, Any]:
     if name not in SCHEMA_NAMES:
         raise KeyError(f"unknown schema {name!r}; known: {', '.join(SCHEMA_NAMES)}")
-    schema = json.loads((SCHEMA_DIR / f"{name}.json").read_text())
+    schema: dict[str, Any] = json.loads((SCHEMA_DIR / f"{name}.json").read_text())
     Draft202012Validator.check_schema(schema)
     return schema
 

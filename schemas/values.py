@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An int that is not a bool (JSON `true` parses to a Python bool, an int subclass)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -12,13 +12,14 @@ the reset failed → UNKNOWN. Any other status is FAILED (404 = dev mode is off)
 
 from __future__ import annotations
 
-import enum
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+
+from schemas.cache_control import ResetOutcome, ResetResult
 
 from .upstream_errors import timed_out, unavailable
 from .urls import EngineEndpoint, guarded_url
@@ -30,12 +31,6 @@ DEV_SURFACES: frozenset[tuple[str, str]] = frozenset({("POST", RESET_PATH), ("GE
 
 class DevControlDisabledError(RuntimeError):
     """The dev-mode control client was used without being enabled."""
-
-
-class ResetOutcome(enum.StrEnum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +56,6 @@ class DevControlCall:
     detail: str
     started_at: float
     elapsed_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class ResetResult:
-    outcome: ResetOutcome
-    status: int
-    body: str
 
 
 def dev_endpoint(base_url: str, method: str) -> EngineEndpoint:

@@ -28,9 +28,11 @@ from httpx_sse import EventSource, SSEError
 
 from schemas.engine import EngineCapabilities, EngineError, EngineRequest, StreamChunk
 
+from .cache_control import VLLMCacheControl
 from .capabilities import CapabilityRefusedError, VLLMDeclarations, probe_capabilities
 from .control_plane import ControlPlane
 from .dev_control import VLLMDevControl
+from .fak_control import FakCacheControlClient
 from .kv_subscriber import KVEventSubscriber
 from .metrics import MetricsParseError, MetricsScrapeError, MetricsSnapshot, scrape, serving_metrics
 from .sse import MalformedUpstreamError, chunk_from_body, chunk_from_event_data
@@ -99,6 +101,7 @@ class VLLMDriver:
         capabilities: EngineCapabilities | None = None,
         kv: KVEventSubscriber | None = None,
         reset_route: VLLMDevControl | None = None,
+        fak_control: FakCacheControlClient | None = None,
     ) -> None:
         self.config = config
         self.urls = EngineURLs(config.base_url)
@@ -106,6 +109,8 @@ class VLLMDriver:
         self._given_capabilities = capabilities
         self.kv = kv
         self.dev_control = reset_route
+        self.fak_control = fak_control
+        self.cache_control = VLLMCacheControl(self)
         self._client: httpx.AsyncClient | None = None
         self._control: ControlPlane | None = None
         self._last_metrics: MetricsSnapshot | None = None
@@ -152,6 +157,8 @@ class VLLMDriver:
         except TimeoutError:
             raise CapabilityRefusedError(
                 f"capability probe took over {self.config.probe_timeout_s}s") from None
+        if self.fak_control is not None:
+            capabilities = await self._probe_fak_control(self.fak_control, capabilities)
         self.capabilities = capabilities
         if self.kv is not None and capabilities.num_blocks:
             self.kv.set_block_capacity(capabilities.num_blocks)
@@ -185,6 +192,18 @@ class VLLMDriver:
         if self._needs_probe:
             raise EngineError(status=503, message=f"upstream refused on re-probe: "
                               f"{self.refusal}", type="ServiceUnavailable")
+
+    async def _probe_fak_control(self, control: FakCacheControlClient,
+                                 capabilities: EngineCapabilities) -> EngineCapabilities:
+        """A configured cache-control token is a declaration: the route must answer."""
+        if not await control.probe():
+            raise CapabilityRefusedError(
+                "a cache-control token is configured but GET /fak/v1/cache/capabilities did "
+                "not accept it (start `fak engine serve --enable-cache-control` with the "
+                "same FAK_CACHE_CONTROL_TOKEN)")
+        return dataclasses.replace(
+            capabilities, exact_span_evict=True, probed=(*capabilities.probed, "exact_span_evict"),
+            notes=(*capabilities.notes, "exact_span_evict probed on the fak control route"))
 
     async def close(self) -> None:
         if self._client is not None:

@@ -8,16 +8,19 @@ queue place is given back on every path out.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from governor.errors import GovernorError, unauthenticated
-from governor.http.common import GOVERNOR_KEY, read_json
+from governor.http.common import GOVERNOR_KEY, read_body
 from governor.http.relay import Relay, relay_once, relay_stream
 from policies.salts import find_client_salt_headers
 from schemas.openai import Route
+
+OFF_LOOP_BYTES = 64 << 10  # bodies this large are parsed and checked on a worker thread
 
 
 def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -30,11 +33,15 @@ def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.St
         relay: Relay | None = None
         try:
             server = gov.config.server
-            value = await read_json(request, server.max_body_bytes, server.body_timeout_s)
+            raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
             request_id = f"fak-{uuid.uuid4().hex}"
             if find_client_salt_headers(request.headers.keys()):
                 gov.metrics.client_salt_headers.labels(tenant.id).inc()
-            prepared = gov.prepare(tenant, route, value, request_id)
+            if len(raw) < OFF_LOOP_BYTES:
+                prepared = gov.prepare_raw(tenant, route, raw, request_id)
+            else:  # parsing a large body must not stall every other request
+                prepared = await asyncio.to_thread(gov.prepare_raw, tenant, route, raw,
+                                                   request_id)
             waited = await gov.admit(ticket)
             gov.metrics.admission_wait.labels(tenant.tenant_class).observe(waited)
             relay = Relay(gov, tenant.id, route)

@@ -6,10 +6,11 @@ messages or token ids, `start`, an operator reason code, `require_exact`), plans
 into a state with `verdict`, appends one `quarantine` record to the audit log and keeps the
 record in memory for `get`. Refused plans are audited too.
 
-States (SEC-11): VERIFIED only when all three facts hold — the engine reported success, the
-removal evidence after the recorded point is complete (native: the radix tree; vLLM: an
-`AllBlocksCleared` after the KV-event watermark with no lost batch; rotation: a new salt),
-and the probe's positive control hit while the after-probe did not. A contradicted fact is
+States (SEC-11): VERIFIED only when all three facts hold — the engine reported success (for
+an exact cut: its own cache checks found nothing wrong), the KV-event evidence after the
+recorded watermark is complete with no lost batch (exact: the span's `BlockRemoved` set;
+flush: an `AllBlocksCleared`; rotation: a new salt), and the probe's positive control hit
+while the after-probe did not. A contradicted fact is
 FAILED; a missing one is UNVERIFIED; `refuse` plans are REFUSED.
 
 Minimisation (SEC-14): the record holds the span only as `SpanRef(HMAC digest, length)`.
@@ -31,25 +32,23 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from governor.quarantine.executors import (
     Facts,
     Probe,
     QuarantineConfig,
-    exact_native,
-    flush_vllm,
+    exact_span,
+    flush,
     rotate_salt,
 )
 from governor.state import Governor
 from policies.quarantine import PlanKind, QuarantinePlan, QuarantineSpan, plan_quarantine
 from policies.salts import SaltKey, frame
 from schemas.audit import CODE, AuditEvent, AuditState, Evidence, SpanRef
-from schemas.engine import EngineError
+from schemas.cache_control import SpanSpec
+from schemas.engine import APIError
 from schemas.values import is_int
-
-if TYPE_CHECKING:  # the native engine (torch) is imported only when it is the engine
-    from adapters.native import NativeDriver
 
 log = logging.getLogger("fak.quarantine")
 
@@ -104,6 +103,9 @@ class SpanInput:
     def form(self) -> str:
         return next(name for name in SPAN_FORMS if getattr(self, name) is not None)
 
+    def spec(self) -> SpanSpec:
+        return SpanSpec(self.text, self.messages, self.token_ids)
+
     def probe(self) -> Probe:
         """The span as a request a ridden engine caches exactly as a tenant's would."""
         if self.messages is not None:
@@ -130,6 +132,10 @@ class QuarantineRequest:
                 f"{CODE.pattern} (no prose: the audit log keeps no free text)", "reason")
         if not is_int(self.start) or self.start < 0:
             raise QuarantineRequestError("start must be an int >= 0 (a token offset)", "start")
+        tokens = self.span.token_ids if isinstance(self.span, SpanInput) else None
+        if tokens is not None and self.start >= len(tokens):
+            raise QuarantineRequestError(f"start {self.start} is not inside the span's "
+                                         f"{len(tokens)} tokens", "start")
         if not isinstance(self.require_exact, bool):
             raise QuarantineRequestError("require_exact must be a boolean", "require_exact")
 
@@ -249,18 +255,6 @@ class QuarantineRecord:
         return doc
 
 
-@dataclass(frozen=True, slots=True)
-class _Resolved:
-    """The span as the engine sees it: tokens when the governor can tokenise (native), the
-    digest form and payload, and the probe request."""
-
-    tokens: list[int] | None
-    length: int | None
-    form: str
-    payload: bytes
-    probe: Probe
-
-
 # --- the service ----------------------------------------------------------------------------
 
 
@@ -281,57 +275,40 @@ class QuarantineService:
     async def quarantine(self, request: QuarantineRequest,
                          actor: str = "admin-api") -> QuarantineRecord:
         """Plan, execute, verify, audit. Raises UnknownTenantError, QuarantineRequestError
-        (span unusable on this engine), or EngineError: the engine's 4xx for a span it
+        (span unusable on this engine), or APIError: the engine's 4xx for a span it
         cannot tokenise, 503 when the audit log cannot be written (nothing is answered
         unaudited)."""
         if self.gov.config.tenant(request.tenant) is None:
             raise UnknownTenantError(request.tenant)
         async with self._lock:
             started = _now_ms()
-            resolved = self._resolve(request)
-            # The plan does not depend on the length; an unmeasured one (text on a ridden
-            # engine) is carried as 1 here and recorded only as measured, or as unmeasured.
-            count = resolved.length or 1
-            plan = plan_quarantine(QuarantineSpan(request.tenant, count),
+            # The plan does not depend on the length: the engine measures it (exact span),
+            # the probe reports it, or the record says it is unmeasured.
+            length = len(request.span.token_ids) if request.span.token_ids else 1
+            plan = plan_quarantine(QuarantineSpan(request.tenant, length),
                                    self.gov.driver.capabilities, request.require_exact)
-            facts = await self._execute(plan, request, resolved, actor)
-            return self._commit(request, plan, resolved, facts, actor, started)
-
-    def _resolve(self, request: QuarantineRequest) -> _Resolved:
-        driver, span = self.gov.driver, request.span
-        if driver.capabilities.engine_kind != "native":
-            if span.token_ids is not None and request.start >= len(span.token_ids):
-                raise QuarantineRequestError(f"start {request.start} is not inside the span's "
-                                             f"{len(span.token_ids)} tokens", "start")
-            length = None if span.token_ids is None else len(span.token_ids)
-            return _Resolved(None, length, span.form, input_payload(span), span.probe())
-        tokens = _native_tokens(driver, span)  # type: ignore[arg-type]
-        limit = driver.capabilities.max_model_len
-        if limit is not None and len(tokens) >= limit:
-            raise QuarantineRequestError(f"the span has {len(tokens)} tokens; the engine's "
-                                         f"context is {limit}", "span")
-        if request.start >= len(tokens):
-            raise QuarantineRequestError(f"start {request.start} is not inside the span's "
-                                         f"{len(tokens)} tokens", "start")
-        return _Resolved(tokens, len(tokens), "tokens", token_payload(tokens),
-                         Probe("completions", {"prompt": tokens}))
+            facts = await self._execute(plan, request, actor)
+            return self._commit(request, plan, facts, actor, started)
 
     async def _execute(self, plan: QuarantinePlan, request: QuarantineRequest,
-                       resolved: _Resolved, actor: str) -> Facts | None:
+                       actor: str) -> Facts | None:
         """The plan's facts; None for a refused plan."""
         tenant, salt = request.tenant, self.gov.salt_for(request.tenant)
+        control, caps = self.gov.driver.cache_control, self.gov.driver.capabilities
+        probe = request.span.probe()
         try:
             if plan.kind is PlanKind.EXACT:
-                assert resolved.tokens is not None
-                return await exact_native(self.gov.driver, tenant, salt,  # type: ignore[arg-type]
-                                          resolved.tokens, request.start, self.config)
+                return await exact_span(control, caps, tenant, salt, request.span.spec(),
+                                        request.start, probe, self.config)
             if plan.kind is PlanKind.WHOLE_PREFIX_FLUSH:
-                return await flush_vllm(self.gov.driver, tenant, salt, resolved.probe,
-                                        self.config)
+                return await flush(control, caps, tenant, salt, probe, self.config)
             if plan.kind is PlanKind.SALT_ROTATION:
-                return await rotate_salt(self.gov, tenant, actor, resolved.probe, self.config)
+                return await rotate_salt(self.gov, control, caps, tenant, actor, probe,
+                                         self.config)
             return None
-        except EngineError:
+        except ValueError as exc:  # the engine cannot take this span (e.g. start past end)
+            raise QuarantineRequestError(str(exc), "span") from None
+        except APIError:
             raise
         except Exception as exc:  # recorded as FAILED: an attempt is never left unaudited
             log.exception("quarantine %s on tenant %s failed", plan.kind, tenant)
@@ -339,13 +316,12 @@ class QuarantineService:
                          engine_ok=False, removal="not_checked", removal_ok=None,
                          threshold=request.start)
 
-    def _commit(self, request: QuarantineRequest, plan: QuarantinePlan, resolved: _Resolved,
-                facts: Facts | None, actor: str, started: int) -> QuarantineRecord:
+    def _commit(self, request: QuarantineRequest, plan: QuarantinePlan, facts: Facts | None,
+                actor: str, started: int) -> QuarantineRecord:
         quarantine_id = f"q-{uuid.uuid4().hex}"
-        length = resolved.length if resolved.length is not None else (
-            facts.prompt_tokens if facts is not None else None)
-        span_ref = SpanRef(span_digest(self.gov.salt_key, request.tenant, resolved.form,
-                                       resolved.payload), length or 0)
+        length = span_length(request.span, facts)
+        span_ref = SpanRef(span_digest(self.gov.salt_key, request.tenant, request.span.form,
+                                       input_payload(request.span)), length or 0)
         reasons = [plan.reason, f"operator_reason={request.reason}",
                    f"span_form={request.span.form}"]
         if length is None:
@@ -387,19 +363,13 @@ class QuarantineService:
                 assert ev.probe_after_cached_tokens <= record.start
 
 
-def _native_tokens(driver: NativeDriver, span: SpanInput) -> list[int]:
+def span_length(span: SpanInput, facts: Facts | None) -> int | None:
+    """Measured by the engine (exact cut), given (token ids), or reported by the probe."""
+    if facts is not None and facts.span_tokens is not None:
+        return facts.span_tokens
     if span.token_ids is not None:
-        return list(span.token_ids)
-    serving = driver.serving
-    if serving is None:
-        raise EngineError(503, "the native engine is not running",
-                          type="ServiceUnavailableError")
-    # The serving layer's own validation and tokenisation: the ids a tenant's request of
-    # this text or these messages would cache (one output token of room is required).
-    if span.text is not None:
-        return serving.prepare("completions", {"prompt": span.text, "max_tokens": 1}).prompt_ids
-    messages = [dict(m) for m in span.messages or ()]
-    return serving.prepare("chat", {"messages": messages, "max_tokens": 1}).prompt_ids
+        return len(span.token_ids)
+    return facts.prompt_tokens if facts is not None else None
 
 
 def _evidence(facts: Facts) -> Evidence:

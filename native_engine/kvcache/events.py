@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -56,6 +57,35 @@ class NullEventPublisher:
         return None
 
 
+class MemoryEventPublisher:
+    """Keeps the last `capacity` batches in memory, numbered from 0: the in-process engine's
+    KV-event stream, read back as quarantine evidence (thread-safe)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self._batches: deque[tuple[int, tuple[KVEvent, ...]]] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.next_seq = 0
+
+    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int | None:
+        if not events:
+            return None
+        with self._lock:
+            seq = self.next_seq
+            self._batches.append((seq, tuple(events)))
+            self.next_seq += 1
+        return seq
+
+    def since(self, seq: int | None) -> list[tuple[int, tuple[KVEvent, ...]]]:
+        """Batches after `seq` (all kept ones for None), oldest first."""
+        with self._lock:
+            return [(s, e) for s, e in self._batches if seq is None or s > seq]
+
+    def close(self) -> None:
+        return None
+
+
 class KVEventRecorder:
     """RadixCache listener (native_engine.kvcache.radix_cache.CacheEventListener) → vLLM events.
 
@@ -84,6 +114,8 @@ class KVEventRecorder:
         self._lock = threading.Lock()
         self._digests: dict[int, bytes] = {}
         self._pending: list[KVEvent] = []
+        self.last_batch: tuple[KVEvent, ...] = ()  # what the last flush published
+        self.last_seq: int | None = None  # and the seq it went out under
         self.unknown_parents = 0
         self.unknown_removals = 0
 
@@ -142,7 +174,9 @@ class KVEventRecorder:
         """Publish the pending events as one batch; returns its seq (None if none pending)."""
         with self._lock:
             events, self._pending = self._pending, []
-            return self.publisher.publish(events) if events else None
+            self.last_batch = tuple(events)
+            self.last_seq = self.publisher.publish(events) if events else None
+            return self.last_seq
 
     def digest_of(self, cache_id: int) -> bytes | None:
         with self._lock:

@@ -36,6 +36,7 @@ from native_engine.serve.openai_api import (
     usage_chunk,
     validate_body,
 )
+from schemas.cache_control import SpanSpec
 from schemas.engine import EngineError, StreamChunk, Usage
 from schemas.openai import AnyRequest, ChatRequest, Route
 
@@ -137,6 +138,16 @@ class OpenAIServing:
                          offset: int) -> dict[str, Any]:
         return chat_logprobs(entries) if route == "chat" else completion_logprobs(entries,
                                                                                     offset)
+
+    def span_tokens(self, span: SpanSpec) -> list[int]:
+        """The ids a request of this span would cache (its own validation and
+        tokenisation; one output token of room is required)."""
+        if span.token_ids is not None:
+            return list(span.token_ids)
+        if span.text is not None:
+            return self.prepare("completions", {"prompt": span.text, "max_tokens": 1}).prompt_ids
+        messages = [dict(m) for m in span.messages or ()]
+        return self.prepare("chat", {"messages": messages, "max_tokens": 1}).prompt_ids
 
     def prepare(self, route: Route, body: Any) -> Prepared:
         """Validate and tokenise a raw body; every 4xx a request can get is raised here."""

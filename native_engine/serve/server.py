@@ -35,6 +35,7 @@ from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, Supervis
 from native_engine.config import EngineConfig, SchedulingPolicy
 from native_engine.engine import LLMEngine
 from native_engine.kvcache.events import EventPublisher, KVEventRecorder
+from native_engine.serve.control_routes import TOKEN_ENV, CacheControlRoutes
 from native_engine.serve.kv_config import KVEventsConfig
 from native_engine.serve.kv_publisher import make_publisher
 from native_engine.serve.metrics import CacheInfo, ServerMetrics
@@ -69,6 +70,7 @@ class ServerConfig:
     dtype: str = "auto"
     device: str = "auto"
     dev_mode: bool = False
+    cache_control_token: str | None = field(default=None, repr=False)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
@@ -155,6 +157,10 @@ class EngineServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.scrape)
+        if self.config.cache_control_token is not None:
+            log.warning("cache-control routes are enabled (exact-span eviction over HTTP)")
+            CacheControlRoutes(self.engine, self.serving, self.config.cache_control_token,
+                               self.config.kv_events.int_block_hashes).add_to(app)
         if self.config.dev_mode:
             log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT "
                         "be used in production!")
@@ -344,6 +350,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dev-mode", action="store_true",
                    help="mount POST /reset_prefix_cache (also VLLM_SERVER_DEV_MODE=1)")
+    p.add_argument("--enable-cache-control", action="store_true",
+                   help=f"mount fak's exact-span eviction route, behind the bearer token in "
+                   f"${TOKEN_ENV} (required)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -358,7 +367,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         attention_backend=args.attention_backend, dtype=args.dtype, device=args.device,
         dev_mode=args.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        cache_control_token=_cache_control_token(args.enable_cache_control),
         kv_events=kv_events)
+
+
+def _cache_control_token(enabled: bool) -> str | None:
+    if not enabled:
+        return None
+    token = os.environ.get(TOKEN_ENV, "")
+    if len(token) < 16:
+        raise ValueError(f"--enable-cache-control needs ${TOKEN_ENV} (at least 16 characters)")
+    return token
 
 
 def cmd_engine_serve(args: argparse.Namespace) -> int:

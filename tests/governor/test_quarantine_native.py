@@ -128,7 +128,7 @@ def test_exact_eviction_keeps_other_tenants_and_paths(stack: Stack) -> None:
     assert ev["probe_control_cached_tokens"] > 0 and ev["probe_after_cached_tokens"] == 0
     assert ev["engine_result"].startswith("evicted_tokens=")
     assert int(ev["engine_result"].split("=")[1]) > 0
-    assert ev["kv_events"] == "radix_checked_ok"
+    assert ev["kv_events"] == "block_removed_set_ok"
     assert {"span_resident_before", "radix_other_namespaces_unchanged"} <= set(record["reasons"])
 
     assert stack.complete("beta", poisoned) > 0  # the other tenant's copy stays

@@ -15,7 +15,7 @@ from governor.admin_client import (
     add_tenants_parser,
     quarantine_body,
 )
-from governor.quarantine.executors import CutReport, Facts, QuarantineConfig
+from governor.quarantine.executors import Facts, QuarantineConfig
 from governor.quarantine.service import (
     QuarantineRequest,
     QuarantineRequestError,
@@ -24,6 +24,7 @@ from governor.quarantine.service import (
     token_payload,
     verdict,
 )
+from native_engine.cache_control import CutReport
 from policies.salts import SaltKey
 from schemas.audit import AuditState
 
@@ -118,10 +119,14 @@ def test_verdict_reason_codes() -> None:
 
 def test_cut_report_problems() -> None:
     clean = CutReport(evicted=5, others_unchanged=True, removed_only_evicted=True,
-                      prefix_kept=True, reusable_after=3)
+                      prefix_kept=True, reusable_after=3, removed_blocks=frozenset(),
+                      kv_seq=None)
     assert clean.problems(start=3) == []
+    assert clean.eviction(10, 3).checks == ("radix_other_namespaces_unchanged",
+                                            "radix_span_cut_at_start")
     bad = CutReport(evicted=5, others_unchanged=False, removed_only_evicted=False,
-                    prefix_kept=False, reusable_after=9)
+                    prefix_kept=False, reusable_after=9, removed_blocks=frozenset(),
+                    kv_seq=None)
     assert bad.problems(start=3) == ["radix_other_namespace_changed", "radix_removed_set_mismatch",
                                      "radix_prefix_before_start_changed",
                                      "radix_span_still_reusable=9"]

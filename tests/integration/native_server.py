@@ -37,6 +37,7 @@ class NativeServerConfig:
     max_model_len: int = 2048
     kv_topic: str = "kv"
     startup_timeout_s: float = 300.0
+    cache_control_token: str | None = "fak-test-cache-control-token"
 
     def __post_init__(self) -> None:
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -60,6 +61,7 @@ class NativeServer:
     hf_dir: Path | None = None
     hf_source: str = "embedded-gguf"
     startup_s: float = 0.0
+    cache_control_token: str | None = None
 
     @property
     def pid(self) -> int:
@@ -95,6 +97,7 @@ def server_command(config: NativeServerConfig, http_port: int, kv_port: int,
         "--scheduling-policy", "priority",
         "--kv-events-config", json.dumps(kv_events),
         "--dev-mode",
+        *(["--enable-cache-control"] if config.cache_control_token else []),
     ]  # fmt: skip
 
 
@@ -106,6 +109,8 @@ def start_native_server(config: NativeServerConfig) -> NativeServer:
     log_path = log_dir / f"native-server-{os.getpid()}-{http_port}.log"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     env.pop("VLLM_SERVER_DEV_MODE", None)
+    if config.cache_control_token:
+        env["FAK_CACHE_CONTROL_TOKEN"] = config.cache_control_token
     started = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -117,7 +122,7 @@ def start_native_server(config: NativeServerConfig) -> NativeServer:
         kv_endpoint=f"tcp://127.0.0.1:{kv_port}", kv_endpoint_mode="connect",
         kv_topic=config.kv_topic, replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
         block_size=config.block_size, num_blocks=config.num_blocks, log_path=log_path,
-        process=proc)
+        process=proc, cache_control_token=config.cache_control_token)
     try:
         _wait_healthy(server, config.startup_timeout_s)
     except BaseException:

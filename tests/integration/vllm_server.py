@@ -121,6 +121,7 @@ class VllmServer:
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False, compare=False)
     startup_s: float = 0.0
+    cache_control_token: str | None = None  # a real vLLM has no fak cache-control route
 
     @property
     def pid(self) -> int:
