@@ -16,11 +16,11 @@ from adapters.driver import EngineDriver
 from governor.audit.log import AuditLog, AuditLogConfig
 from governor.auth import sha256_hex
 from governor.config import (
-    ConfigError,
     EngineSection,
     GovernorConfig,
     ServerConfig,
     TenantConfig,
+    UpstreamSection,
     load_config,
     parse_config,
 )
@@ -48,40 +48,24 @@ def build_driver(config: GovernorConfig, salt_key: SaltKey) -> EngineDriver:
         from adapters.native import NativeDriver, NativeDriverConfig
 
         return NativeDriver(NativeDriverConfig.from_section(config.engine))
+    if config.engine.upstreams:
+        from governor.fleet import build_fleet_driver
+
+        return build_fleet_driver(config.engine, kv_namespace_key(salt_key))
     return build_vllm_driver(config.engine, kv_namespace_key(salt_key))
 
 
 def build_vllm_driver(section: EngineSection, namespace_key: bytes | None = None
                       ) -> EngineDriver:
-    """The ridden vLLM: HTTP driver, KV-event subscriber when configured (its index names
-    namespaces by `namespace_key` digests), dev-mode reset client only when the operator
-    declares it (every call logged)."""
-    from adapters.vllm.capabilities import VLLMDeclarations
-    from adapters.vllm.dev_control import DevControlConfig, VLLMDevControl
-    from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
-    from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
+    """The single-upstream form: one upstream built like a fleet's (governor.fleet), its
+    KV index naming namespaces by `namespace_key` digests."""
+    from governor.fleet import upstream_driver
 
     assert section.base_url is not None  # the config schema requires it for kind = "vllm"
-    declare = section.declare
-    declared = VLLMDeclarations(
-        priority_scheduling=declare.priority_scheduling, dev_mode_reset=declare.prefix_reset,
-        prompt_tokens_details=declare.prompt_tokens_details, determinism=declare.determinism,
-        served_model=section.model)
-    kv = None
-    if section.kv_events:
-        try:
-            kv_config = KVSubscriberConfig(endpoint=section.kv_events,
-                                           replay_endpoint=section.kv_replay,
-                                           allow_remote=section.allow_remote_kv)
-        except ValueError as exc:
-            raise ConfigError(f"[engine] kv_events: {exc}") from None
-        kv = KVEventSubscriber(kv_config, namespace_key)
-    dev = None
-    if declare.prefix_reset:
-        dev = VLLMDevControl(DevControlConfig(section.base_url, enabled=True),
-                             lambda call: log.warning("dev-mode control call: %s", call))
-    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev,
-                      fak_control=fak_control_client(section))
+    upstream = UpstreamSection(name="default", base_url=section.base_url,
+                               kv_events=section.kv_events, kv_replay=section.kv_replay,
+                               metrics_url=section.metrics_url, declare=section.declare)
+    return upstream_driver(upstream, section, namespace_key, fak_control_client(section))
 
 
 def fak_control_client(section: EngineSection) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from adapters.driver import EngineDriver
+from adapters.driver import EngineDriver, Fleet
 from governor.admission import Admission, AdmissionRejected, Ticket
 from governor.audit.entry import AuditLogError
 from governor.audit.log import AuditLog
@@ -44,7 +44,7 @@ class Governor:
         self.inputs = {t.id: self._inputs(t) for t in config.tenants}
         for t in config.tenants:
             self.admission.set_rate_limits(t.id, t.requests_per_s, t.tokens_per_min)
-        self.metrics = GovernorMetrics()
+        self.metrics = GovernorMetrics(driver if isinstance(driver, Fleet) else None)
         self.draining = False
 
     def _inputs(self, tenant: TenantConfig) -> PipelineInputs:

@@ -43,6 +43,10 @@ class CapabilityRefusedError(RuntimeError):
     """A declared capability failed its probe, or a required surface is missing."""
 
 
+class UpstreamUnreachable(CapabilityRefusedError):
+    """The probe could not reach the engine at all (connection refused, reset, timeout)."""
+
+
 @dataclass(frozen=True, slots=True)
 class VLLMDeclarations:
     """What the operator declares about the engine (unknown = off)."""
@@ -93,8 +97,11 @@ async def _request(client: httpx.AsyncClient, endpoint: EngineEndpoint,
                    body: dict[str, Any] | None = None) -> httpx.Response:
     try:
         return await client.request(endpoint.method, endpoint.url, json=body)
-    except httpx.HTTPError as exc:
+    except httpx.TransportError as exc:
         # The class name only: the text can carry the upstream's address.
+        raise UpstreamUnreachable(
+            f"{endpoint.method} {endpoint.url.path} failed: {type(exc).__name__}") from exc
+    except httpx.HTTPError as exc:
         raise CapabilityRefusedError(
             f"{endpoint.method} {endpoint.url.path} failed: {type(exc).__name__}") from exc
 
@@ -179,7 +186,11 @@ async def _probe_kv(kv: KVProbe, timeout_s: float) -> tuple[bool, bool]:
 async def _scrape_cache_config(client: httpx.AsyncClient, urls: EngineURLs) -> MetricsSnapshot:
     try:
         snapshot = await scrape(client, urls)
-    except (MetricsScrapeError, MetricsParseError) as exc:
+    except MetricsScrapeError as exc:
+        if isinstance(exc.__cause__, httpx.TransportError):
+            raise UpstreamUnreachable(f"/metrics probe failed: {exc}") from exc
+        raise CapabilityRefusedError(f"/metrics probe failed: {exc}") from exc
+    except MetricsParseError as exc:
         raise CapabilityRefusedError(f"/metrics probe failed: {exc}") from exc
     refusal = hash_algo_refusal([c.prefix_caching_hash_algo for c in snapshot.cache_config])
     if refusal:
@@ -202,13 +213,15 @@ async def probe_capabilities(
     declared: VLLMDeclarations,
     kv: KVProbe | None = None,
     reset_route: ResetRouteProbe | None = None,
+    metrics_urls: EngineURLs | None = None,
 ) -> EngineCapabilities:
     """Probe the engine and combine with the declarations; raise on any failed declaration
-    or isolation fact."""
+    or isolation fact. `/metrics` is read at `metrics_urls` when the engine exports it
+    elsewhere."""
     listing = await _get_json(client, urls.models())
     model_id, max_model_len = pick_model(listing, declared.served_model)
     version = await _get_version(client, urls)
-    snapshot = await _scrape_cache_config(client, urls)
+    snapshot = await _scrape_cache_config(client, metrics_urls or urls)
     cache = snapshot.cache_config[0]
     probed = ["model_id", "max_model_len", "engine_version", "prefix_caching_hash_algo"]
     probed += [name for name, value in (("block_size", snapshot.block_size),

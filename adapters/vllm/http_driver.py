@@ -40,6 +40,7 @@ from .upstream_errors import error_from_body, timed_out, unavailable
 from .urls import EngineURLs
 
 T = TypeVar("T")
+RANK_HEADER = "X-data-parallel-rank"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +60,11 @@ class VLLMHTTPConfig:
     max_connections: int = 512
     probe_timeout_s: float = 120.0
     reprobe_interval_s: float = 1.0
+    metrics_url: str | None = None
 
     def __post_init__(self) -> None:
         EngineURLs(self.base_url)
+        self.metrics_urls()
         if min(self.connect_timeout_s, self.first_byte_timeout_s, self.total_timeout_s,
                self.probe_timeout_s) <= 0:
             raise ValueError("timeouts must be positive")
@@ -71,6 +74,15 @@ class VLLMHTTPConfig:
             raise ValueError("first_byte_timeout_s cannot exceed total_timeout_s")
         if self.max_connections <= 0:
             raise ValueError("max_connections must be positive")
+
+
+    def metrics_urls(self) -> EngineURLs:
+        """Where `/metrics` is: `metrics_url` (…/metrics) when given, else the base URL."""
+        if self.metrics_url is None:
+            return EngineURLs(self.base_url)
+        if not self.metrics_url.endswith("/metrics"):
+            raise ValueError(f"metrics_url must end with /metrics: {self.metrics_url!r}")
+        return EngineURLs(self.metrics_url[: -len("/metrics")])
 
 
 def forwarded_body(
@@ -105,6 +117,7 @@ class VLLMDriver:
     ) -> None:
         self.config = config
         self.urls = EngineURLs(config.base_url)
+        self.metrics_urls = config.metrics_urls()
         self._declarations = declarations or VLLMDeclarations()
         self._given_capabilities = capabilities
         self.kv = kv
@@ -146,17 +159,18 @@ class VLLMDriver:
 
     async def _probe(self) -> None:
         """Probe now; on success adopt the record and bound the KV index by its blocks."""
-        self.probes += 1
         self._last_probe_at = asyncio.get_running_loop().time()
         kv_restarts = self._kv_restart_count()
         try:
             async with asyncio.timeout(self.config.probe_timeout_s):
                 capabilities = await probe_capabilities(
                     self._require_client(), self.urls, self._declarations, self.kv,
-                    self.dev_control)
+                    self.dev_control, self.metrics_urls)
         except TimeoutError:
             raise CapabilityRefusedError(
                 f"capability probe took over {self.config.probe_timeout_s}s") from None
+        finally:
+            self.probes += 1  # completed probes, passed or refused
         if self.fak_control is not None:
             capabilities = await self._probe_fak_control(self.fak_control, capabilities)
         self.capabilities = capabilities
@@ -257,19 +271,34 @@ class VLLMDriver:
         except MalformedUpstreamError as exc:
             raise unavailable(str(exc)) from exc
 
-    async def serving_metrics(self) -> dict[str, float | None]:
-        """Normalised metrics over the window since the previous call (first: since start)."""
+    async def scrape(self) -> MetricsSnapshot:
+        """One `/metrics` scrape of this engine (EngineError 502 when it fails)."""
         try:
-            snapshot = await scrape(
-                self._require_control().client, self.urls, self.capabilities.model_id or None
-            )
+            return await scrape(self._require_control().client, self.metrics_urls,
+                                self.capabilities.model_id or None)
         except (MetricsScrapeError, MetricsParseError) as exc:
             raise unavailable(f"metrics: {exc}") from exc
+
+    async def version_changed(self) -> bool:
+        """`/version` now differs from what the last probe read: the engine was replaced,
+        so it is re-probed before its next request."""
+        version = await self._require_control().version()
+        changed = version is not None and version != self.capabilities.engine_version
+        if changed:
+            self.mark_reconnect()
+        return changed
+
+    async def serving_metrics(self) -> dict[str, float | None]:
+        """Normalised metrics over the window since the previous call (first: since start)."""
+        snapshot = await self.scrape()
         window = serving_metrics(snapshot, self._last_metrics)
         self._last_metrics = snapshot
         return dataclasses.asdict(window)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, request: EngineRequest,
+                       dp_rank: int | None = None) -> AsyncIterator[StreamChunk]:
+        """The request on this engine; `dp_rank` pins a data-parallel rank (the
+        `X-data-parallel-rank` header, as vLLM reads it)."""
         client = self._require_client()
         await self.ensure_probed()
         endpoint = self.urls.generation(request.route)
@@ -279,9 +308,11 @@ class VLLMDriver:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.total_timeout_s
         first_byte = min(deadline, loop.time() + self.config.first_byte_timeout_s)
-        upstream = client.build_request(
-            endpoint.method, endpoint.url, json=body, headers={"X-Request-Id": request.request_id}
-        )
+        headers = {"X-Request-Id": request.request_id}
+        if dp_rank is not None:
+            headers[RANK_HEADER] = str(dp_rank)
+        upstream = client.build_request(endpoint.method, endpoint.url, json=body,
+                                        headers=headers)
         try:
             response = await _guarded(client.send(upstream, stream=True), first_byte)
         except EngineError as exc:

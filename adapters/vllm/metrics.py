@@ -98,6 +98,8 @@ class MetricsSnapshot:
     histograms: dict[str, Buckets | None]
     block_size: int | None = None
     cache_config: tuple[CacheConfigInfo, ...] = ()
+    engine_load: dict[str, float] | None = None
+    """Running + waiting requests per DP engine (`engine` label); None if not exported."""
 
 
 def _matching(rows: list[tuple[dict[str, str], float]], model: str | None) -> list[float]:
@@ -136,6 +138,15 @@ def _histogram(samples: Samples, field: str, model: str | None) -> Buckets | Non
         if per_bound and math.inf in per_bound:
             return tuple(sorted(per_bound.items()))
     return None
+
+
+def _engine_load(samples: Samples, model: str | None) -> dict[str, float] | None:
+    load: dict[str, float] = defaultdict(float)
+    for name in (*GAUGES["running"], *GAUGES["waiting"]):
+        for labels, value in samples.get(name, []):
+            if model is None or labels.get("model_name") == model:
+                load[labels.get("engine", "0")] += value
+    return dict(load) if load else None
 
 
 def _label_int(labels: dict[str, str], name: str) -> int | None:
@@ -193,6 +204,7 @@ def snapshot_from_text(text: str, model: str | None = None) -> MetricsSnapshot:
         histograms=histograms,
         block_size=next((c.block_size for c in cache_config if c.block_size), None),
         cache_config=cache_config,
+        engine_load=_engine_load(samples, model),
     )
     for name, value in (*snapshot.gauges.items(), *snapshot.counters.items()):
         _check_value(name, value, 1.0 if name == "kv_usage" else math.inf)
@@ -274,7 +286,9 @@ async def scrape(
     try:
         response = await client.request(endpoint.method, endpoint.url)
     except httpx.HTTPError as exc:
-        raise MetricsScrapeError(f"GET {endpoint.url} failed: {exc!r}") from exc
+        # The path and class only: the rest can carry the upstream's address.
+        raise MetricsScrapeError(
+            f"GET {endpoint.url.path} failed: {type(exc).__name__}") from exc
     if response.status_code != 200:
-        raise MetricsScrapeError(f"GET {endpoint.url} answered {response.status_code}")
+        raise MetricsScrapeError(f"GET {endpoint.url.path} answered {response.status_code}")
     return snapshot_from_text(response.text, model)

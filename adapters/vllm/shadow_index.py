@@ -12,6 +12,13 @@ count for the rank — since a correct stream can never describe more. A store b
 dropped and counted in `overflow_drops`; whoever follows the stream must then treat the rank
 as UNCERTAIN (the index no longer mirrors the engine). `clear()` resets the count.
 
+For routing (policies/routing.py), each block whose tokens the event carried also gets a
+chain key: `blake2b(parent's chain key ‖ its tokens)`, the root's parent being its
+namespace digest — so a chain key names a token prefix inside one namespace, and another
+tenant's blocks can never match it. `prefix_blocks(salt, tokens, block_size)` counts how
+many leading full blocks of a prompt the rank holds in the prompt's own namespace. Only the
+keys are kept, never the tokens.
+
 A namespace is `certain` only when it was read from a root block's `extra_keys` or inherited
 from a resident parent whose namespace was certain; a block stored under an unknown parent,
 or whose root keys cannot be attributed, is kept but marked uncertain (oracle §2.9 case 4).
@@ -24,9 +31,12 @@ uncertain ones; no block is its own parent; at most `capacity` blocks.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import secrets
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,6 +60,7 @@ class BlockInfo:
     namespace_certain: bool
     block_size: int
     media: frozenset[str] = field(default_factory=frozenset)
+    chain: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,25 @@ def salt_from_root_keys(keys: Any, lora_name: str | None) -> Attribution:
     return Attribution(candidates[0] if candidates else None, True)
 
 
+def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a block holding `tokens` after the block (or namespace root) `parent`."""
+    return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()
+
+
+def namespace_root(namespace: str | None) -> bytes:
+    """The chain's starting point in a namespace (digest; None: the unsalted namespace)."""
+    return b"\x00" if namespace is None else b"\x01" + namespace.encode()
+
+
+def prompt_chain(namespace: str | None, tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """Chain keys of a prompt's full blocks, in order."""
+    keys, key = [], namespace_root(namespace)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        key = chain_key(key, tokens[start:start + block_size])
+        keys.append(key)
+    return keys
+
+
 class ShadowIndex:
     """Block hash → BlockInfo for one engine rank. Not thread-safe; one event loop owns it."""
 
@@ -103,6 +133,7 @@ class ShadowIndex:
         self._blocks: dict[int, BlockInfo] = {}
         self._by_namespace: dict[str | None, set[int]] = {}
         self._uncertain: set[int] = set()
+        self._by_chain: dict[bytes, int] = {}
         self.anomalies = 0
         self.overflow_drops = 0
 
@@ -135,6 +166,17 @@ class ShadowIndex:
     def all_blocks(self) -> frozenset[int]:
         return frozenset(self._blocks)
 
+    def prefix_blocks(self, salt: str | None, tokens: Sequence[int], block_size: int) -> int:
+        """Leading full blocks of `tokens` resident here in the namespace of `salt`."""
+        return self.matched_blocks(prompt_chain(self.namespace_id(salt), tokens, block_size))
+
+    def matched_blocks(self, chain: Sequence[bytes]) -> int:
+        """How many leading keys of a prompt's chain are resident."""
+        for count, key in enumerate(chain):
+            if key not in self._by_chain:
+                return count
+        return len(chain)
+
     def apply(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
             self._store(event)
@@ -149,6 +191,7 @@ class ShadowIndex:
             self._blocks.clear()
             self._by_namespace.clear()
             self._uncertain.clear()
+            self._by_chain.clear()
             self.overflow_drops = 0
             return
         for block_hash in list(self._blocks):
@@ -175,12 +218,31 @@ class ShadowIndex:
         attribution = self._root_attribution(event)
         medium = event.medium or DEFAULT_MEDIUM
         parent = event.parent_block_hash
-        for block_hash in event.block_hashes:
-            self._add(block_hash, parent, attribution, event.block_size, medium)
+        chains = self._chains(event, attribution)
+        for i, block_hash in enumerate(event.block_hashes):
+            self._add(block_hash, parent, attribution, event.block_size, medium, chains[i])
             parent = block_hash
 
+    def _chains(self, event: BlockStored, attribution: Attribution) -> list[bytes | None]:
+        """The stored blocks' chain keys; None where the tokens or the parent's key are
+        unknown (or the namespace is uncertain)."""
+        size, count = event.block_size, len(event.block_hashes)
+        if not attribution.certain or size < 1 or len(event.token_ids) != size * count:
+            return [None] * count
+        if event.parent_block_hash is None:
+            key: bytes | None = namespace_root(attribution.namespace)
+        else:
+            parent = self._blocks.get(event.parent_block_hash)
+            key = None if parent is None else parent.chain
+        chains: list[bytes | None] = []
+        for i in range(count):
+            key = None if key is None else chain_key(key, event.token_ids[i * size:(i + 1) * size])
+            chains.append(key)
+        return chains
+
     def _add(
-        self, block_hash: int, parent: int | None, attribution: Attribution, size: int, medium: str
+        self, block_hash: int, parent: int | None, attribution: Attribution, size: int,
+        medium: str, chain: bytes | None = None,
     ) -> None:
         if parent == block_hash:
             self.anomalies += 1
@@ -197,6 +259,7 @@ class ShadowIndex:
                 attribution.certain,
                 size,
                 frozenset({medium}),
+                chain,
             )
         else:
             info = replace(known, media=known.media | {medium})
@@ -208,7 +271,9 @@ class ShadowIndex:
                 self.anomalies += (
                     1  # a hash embeds its salt, so this means our attribution is wrong
                 )
-                info = replace(info, namespace=None, namespace_certain=False)
+                info = replace(info, namespace=None, namespace_certain=False, chain=None)
+            elif info.chain is None and attribution.certain:
+                info = replace(info, chain=chain)
             self._unfile(known)
         self._blocks[block_hash] = info
         self._file(info)
@@ -232,12 +297,16 @@ class ShadowIndex:
     def _file(self, info: BlockInfo) -> None:
         if info.namespace_certain:
             self._by_namespace.setdefault(info.namespace, set()).add(info.block_hash)
+            if info.chain is not None:
+                self._by_chain[info.chain] = info.block_hash
         else:
             self._uncertain.add(info.block_hash)
 
     def _unfile(self, info: BlockInfo) -> None:
         if info.namespace_certain:
             self._by_namespace.get(info.namespace, set()).discard(info.block_hash)
+            if info.chain is not None and self._by_chain.get(info.chain) == info.block_hash:
+                del self._by_chain[info.chain]
         else:
             self._uncertain.discard(info.block_hash)
 
@@ -264,3 +333,7 @@ class ShadowIndex:
             assert info.block_hash == block_hash and info.media, f"block {block_hash} has no medium"
             assert info.parent != block_hash, f"block {block_hash} is its own parent"
         assert len(self._blocks) <= self.capacity, "index over its capacity"
+        for key, block_hash in self._by_chain.items():
+            info = self._blocks.get(block_hash)
+            assert info is not None and info.chain == key and info.namespace_certain, (
+                f"chain key of {block_hash} stale")

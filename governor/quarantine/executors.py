@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from adapters.driver import CacheControl
-from schemas.audit import AuditRecord
+from schemas.audit import AuditRecord, AuditState
 from schemas.cache_control import (
     CacheControlUnsupported,
     KVMark,
@@ -94,6 +94,8 @@ class Facts:
     prompt_tokens: int | None = None
     span_tokens: int | None = None
     codes: list[str] = field(default_factory=list)
+    decided: tuple[AuditState, tuple[str, ...]] | None = None
+    """Set for a fleet: the state its members' facts combine to (quarantine/fleet.py)."""
 
 
 class Rotator(Protocol):

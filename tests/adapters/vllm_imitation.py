@@ -72,6 +72,7 @@ class Imitation:
     validates_salts: bool = True
     honours_salts: bool = True
     version: str = "0.32.0"
+    cut_stream_after: int | None = None
     cached: set[tuple[str | None, str]] = field(default_factory=set)
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -170,7 +171,11 @@ def build_app(state: Imitation) -> web.Application:
         await response.prepare(request)
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         try:
-            for line in SSE_LINES:
+            for sent, line in enumerate(SSE_LINES):
+                if state.cut_stream_after is not None and sent >= state.cut_stream_after:
+                    assert request.transport is not None
+                    request.transport.close()  # the engine dies mid-stream
+                    return response
                 if '"choices":[]' in line and not include_usage:
                     continue
                 await response.write(f"{line}\n\n".encode())
