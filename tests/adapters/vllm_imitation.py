@@ -5,10 +5,11 @@ Non-streaming generations replay the recorded responses of http.jsonl in recorde
 http_edge_cases.txt; errors reuse the recorded error bodies. Every request is logged, so tests
 can check what the driver really sent.
 
-Unrecorded completions meet a prefix cache like vLLM's (whole prompts keyed by salt, hits
-in whole blocks, the last token recomputed). Switches make it answer like a vLLM that
-isolates worse: another `prefix_caching_hash_algo` in `vllm:cache_config_info` (or none),
-no salt validation, or salts accepted but ignored by the cache.
+Unrecorded completions meet a prefix cache like vLLM's (whole prompts keyed by salt and
+data-parallel rank, hits in whole blocks, the last token recomputed). Switches make it
+answer like a vLLM that isolates worse: another `prefix_caching_hash_algo` in
+`vllm:cache_config_info` (or none), no salt validation, or salts accepted but ignored by
+the cache; or cut a stream short (`cut_stream_after`), as a crashing engine would.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Imitation:
     honours_salts: bool = True
     version: str = "0.32.0"
     cut_stream_after: int | None = None
-    cached: set[tuple[str | None, str]] = field(default_factory=set)
+    cached: set[tuple[str | None, str | None, str]] = field(default_factory=set)
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     recorded: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
@@ -97,10 +98,11 @@ class Imitation:
                              if not line.startswith("vllm:cache_config_info"))
         return text.replace(RECORDED_HASH_ALGO, f'prefix_caching_hash_algo="{self.hash_algo}"')
 
-    def cached_tokens(self, body: dict[str, Any]) -> int:
-        """Whole blocks of an earlier identical prompt in the same (honoured) salt."""
+    def cached_tokens(self, body: dict[str, Any], rank: str | None = None) -> int:
+        """Whole blocks of an earlier identical prompt in the same (honoured) salt, on the
+        same data-parallel rank (each rank has its own cache, as on vLLM)."""
         prompt = str(body.get("prompt", ""))
-        key = (body.get("cache_salt") if self.honours_salts else None, prompt)
+        key = (rank, body.get("cache_salt") if self.honours_salts else None, prompt)
         hit = key in self.cached
         self.cached.add(key)
         tokens = len(prompt.split())
@@ -162,8 +164,9 @@ def build_app(state: Imitation) -> web.Application:
         if queue:
             return web.json_response(queue.pop(0)["response"])
         if request.path == "/v1/completions":
+            rank = request.headers.get("X-data-parallel-rank")
             return web.json_response(unrecorded_completion(body, state.prompt_details,
-                                                           state.cached_tokens(body)))
+                                                           state.cached_tokens(body, rank)))
         return state.error(500, "no recorded response", "InternalServerError", None)
 
     async def stream(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
