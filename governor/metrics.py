@@ -86,8 +86,8 @@ class FleetCollector(Collector):
         for key, family in gauges.items():
             if rank[key] is not None:
                 family.add_metric(labels, rank[key])
-        for key, family in counters.items():
-            family.add_metric(labels, rank[key])
+        for key, counter in counters.items():
+            counter.add_metric(labels, rank[key])
 
 
 class GovernorMetrics:

@@ -64,10 +64,11 @@ class FleetConfig:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """Members best first, and the cached tokens each would be predicted to report."""
+    """Members best first, and the cached tokens each would be predicted to report (by
+    member name; none without the prompt's tokens)."""
 
     order: tuple[Member, ...]
-    predicted: dict[int, int]
+    predicted: dict[str, int]
     prompt_tokens: int | None
 
 
@@ -104,6 +105,7 @@ class FleetDriver:
                                                notes=("not probed",))
         self.cache_control = FleetCacheControl()
         self.decision_seconds: deque[float] = deque(maxlen=DECISION_WINDOW)
+        self.tokenize_seconds: deque[float] = deque(maxlen=DECISION_WINDOW)
         self._turn = 0
         self._health: HealthWatch | None = None
 
@@ -182,6 +184,7 @@ class FleetDriver:
         started = time.perf_counter()
         policy = self.config.policy
         tokens = self.tokens.of(request) if policy is RoutingPolicy.KV_AWARE else None
+        self.tokenize_seconds.append(time.perf_counter() - started)
         candidates, predicted = [], {}
         chains: dict[tuple[str | None, int], list[bytes]] = {}
         for index, member in enumerate(self.members):
@@ -200,7 +203,7 @@ class FleetDriver:
         self._turn += 1
         self.decision_seconds.append(time.perf_counter() - started)
         return Decision(tuple(self.members[i] for i in order),
-                        {id(self.members[i]): p for i, p in predicted.items()},
+                        {self.members[i].name: p for i, p in predicted.items()},
                         None if tokens is None else len(tokens))
 
     @staticmethod
@@ -217,10 +220,12 @@ class FleetDriver:
         return index.matched_blocks(chain), kv.state(member.rank) is SyncState.SYNCED
 
     def routing_view(self) -> dict[str, Any]:
-        """The policy, and the median cost of the last routing decisions."""
-        window = list(self.decision_seconds)
+        """The policy, and the median cost of the last routing decisions (whole, and the
+        part spent tokenising the prompt)."""
+        window, tokenize = list(self.decision_seconds), list(self.tokenize_seconds)
         return {"policy": self.config.policy.value, "decisions": len(window),
-                "decision_p50_ms": statistics.median(window) * 1000 if window else None}
+                "decision_p50_ms": statistics.median(window) * 1000 if window else None,
+                "tokenize_p50_ms": statistics.median(tokenize) * 1000 if tokenize else None}
 
     # --- generation -------------------------------------------------------------------
 
@@ -247,8 +252,8 @@ class FleetDriver:
         finally:
             member.in_flight -= 1
             await chunks.aclose()
-            if id(member) in decision.predicted:
-                member.record_prediction(decision.predicted[id(member)],
+            if member.name in decision.predicted:
+                member.record_prediction(decision.predicted[member.name],
                                          None if usage is None else usage.cached_tokens)
 
     async def _open(self, member: Member, request: EngineRequest

@@ -32,8 +32,9 @@ def prompt_token_ids(parsed: AnyRequest, tokenizer: TextTokenizer,
     prompt = parsed.prompt
     if isinstance(prompt, str) and prompt:
         return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in prompt):
-        return list(prompt)
+    if isinstance(prompt, list) and prompt:
+        ids = [t for t in prompt if isinstance(t, int) and 0 <= t < tokenizer.vocab_size]
+        if len(ids) == len(prompt):
+            return ids
     raise PromptInvalid("'prompt' must be a non-empty string or a list of token ids (one "
                         "prompt per request on the native engine)", "prompt")

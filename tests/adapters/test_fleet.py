@@ -186,7 +186,7 @@ async def test_kv_aware_credits_only_the_requests_namespace_and_synced_ranks(kv_
     await wait_for(lambda: b is not None and len(b.index()) == 3)
     first = fleet.route(completion(prompt, salt="fak1-alice"))
     assert [m.name for m in first.order] == ["b/0", "a/0"]
-    assert first.predicted[id(first.order[0])] == 3 * BLOCK
+    assert first.predicted["b/0"] == 3 * BLOCK
     # Another tenant's identical prompt earns nothing from alice's blocks.
     for turn in range(4):
         other = fleet.route(completion(prompt, salt="fak1-mallory"))
