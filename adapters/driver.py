@@ -11,6 +11,7 @@ only through this protocol.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from schemas.cache_control import KVMark, KVRemoval, ResetResult, SpanEviction, SpanSpec
@@ -75,3 +76,27 @@ class EngineDriver(Protocol):
     async def serving_metrics(self) -> dict[str, float | None]:
         """The engine's normalised `fak_serving_*` values; None where not exported."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMember:
+    """One place a fleet keeps KV blocks (an upstream's data-parallel rank): its name
+    (`upstream/rank`), whether it is up now, its capabilities and its cache control."""
+
+    name: str
+    up: bool
+    capabilities: EngineCapabilities
+    cache_control: CacheControl
+
+
+@runtime_checkable
+class Fleet(Protocol):
+    """A driver over several engines (adapters/fleet). A quarantine runs on every member
+    that can hold the tenant's blocks; `/admin/v1/upstreams` and the per-upstream metrics
+    read `upstream_views` and `routing_view`."""
+
+    def cache_members(self) -> tuple[CacheMember, ...]: ...
+
+    def upstream_views(self) -> list[dict[str, Any]]: ...
+
+    def routing_view(self) -> dict[str, Any]: ...

@@ -53,7 +53,63 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamSection:
+    """One `[[engine.upstreams]]` entry: a vLLM-compatible server of the fleet.
+
+    Its `--api-key` comes from the environment variable `api_key_env` or the file
+    `api_key_file`, never from the TOML. `connect_timeout_s` bounds the TCP connect,
+    `read_timeout_s` the wait for the first byte (response head, first SSE event).
+    `kv_events` is rank 0's PUB endpoint as the engine's --kv-events-config writes it (rank r
+    on port + r, vLLM's offsets; `kv_events_mode` overrides which side binds), `kv_replay`
+    rank 0's replay ROUTER. `metrics_url` is where its `/metrics` is (default: base_url).
+    `data_parallel_size` ranks are addressed with `X-data-parallel-rank`.
+    """
+
+    name: str
+    base_url: str
+    api_key_env: str | None = None
+    api_key_file: Path | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 300.0
+    kv_events: str | None = None
+    kv_events_mode: Literal["connect", "bind"] | None = None
+    kv_topic: str = ""
+    kv_replay: str | None = None
+    metrics_url: str | None = None
+    data_parallel_size: int = 1
+    declare: CapabilityDeclaration = field(default_factory=CapabilityDeclaration)
+
+    @classmethod
+    def from_toml_dict(cls, raw: dict[str, Any]) -> UpstreamSection:
+        values = dict(raw)
+        values["declare"] = CapabilityDeclaration(**values.get("declare", {}))
+        if "api_key_file" in values:
+            values["api_key_file"] = Path(values["api_key_file"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSection:
+    """`[engine.routing]`: the policy (policies/routing.py), its weights, the tokenizer
+    prompts are matched with ("embedded", a .gguf or an HF directory; none: token-id prompts
+    only), and how often upstreams are health-checked (`health_interval_s`; a failing one
+    is retried with doubling backoff up to `backoff_max_s`)."""
+
+    policy: Literal["kv_aware", "least_loaded", "round_robin"] = "kv_aware"
+    tokenizer: str | None = None
+    overlap_weight: float = 1.0
+    load_weight: float = 1.0
+    health_interval_s: float = 1.0
+    backoff_max_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSection:
+    """`[engine]`. `allow_remote_kv`: KV-event sockets may leave loopback (SEC-17: the
+    streams carry every tenant's tokens and salts; off by default). A fleet is
+    `[[engine.upstreams]]` (kind = "vllm"); the single-upstream form (`base_url`, ...)
+    means one upstream."""
+
     kind: Literal["native", "vllm"] = "native"
     model: str | None = None
     base_url: str | None = None
@@ -65,8 +121,21 @@ class EngineSection:
     kv_offloading_size: float | None = None
     kv_disk_dir: str | None = None
     kv_disk_size: float | None = None
+    allow_remote_kv: bool = False
     cache_control_token_env: str | None = None
     declare: CapabilityDeclaration = field(default_factory=CapabilityDeclaration)
+    upstreams: tuple[UpstreamSection, ...] = ()
+    routing: RoutingSection = field(default_factory=RoutingSection)
+
+
+def check_upstreams(upstreams: tuple[UpstreamSection, ...]) -> None:
+    """What the schema cannot say: names unique, at most one key source each."""
+    names = [u.name for u in upstreams]
+    if len(names) != len(set(names)):
+        raise ValueError(f"[[engine.upstreams]] names must be unique: {names}")
+    for u in upstreams:
+        if u.api_key_env and u.api_key_file:
+            raise ValueError(f"upstream {u.name}: give api_key_env or api_key_file, not both")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +177,19 @@ class GovernorConfig:
 
 def parse_config(raw: dict[str, Any]) -> GovernorConfig:
     """Validate the document against schemas/json/tenant_config.json, then build records."""
+    engine_raw = raw.get("engine")
+    if isinstance(engine_raw, dict) and engine_raw.get("kind") == "vllm" and not (
+            {"base_url", "upstreams"} & set(engine_raw)):
+        raise ConfigError('[engine] kind = "vllm" needs base_url (one upstream) or '
+                          '[[engine.upstreams]] (a fleet)')
     try:
         validate("tenant_config", raw)
         engine = dict(raw.get("engine", {}))
         engine["declare"] = CapabilityDeclaration(**engine.get("declare", {}))
+        engine["upstreams"] = tuple(UpstreamSection.from_toml_dict(u)
+                                    for u in engine.get("upstreams", []))
+        check_upstreams(engine["upstreams"])
+        engine["routing"] = RoutingSection(**engine.get("routing", {}))
         server = dict(raw.get("server", {}))
         if "data_dir" in server:
             server["data_dir"] = Path(server["data_dir"])

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from adapters.driver import Fleet
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -24,8 +28,70 @@ class ServingCollector(Collector):
             yield family
 
 
+SYNC_STATES = ("synced", "uncertain", "stale")
+RANK_GAUGES = (("in_flight", "fak_upstream_in_flight_requests", "Requests the governor has "
+                "in flight on the rank."),
+               ("engine_load", "fak_upstream_engine_load", "Running plus waiting requests on "
+                "the rank, from its metrics."),
+               ("index_blocks", "fak_upstream_kv_index_blocks", "Blocks in the rank's KV "
+                "shadow index."))
+RANK_COUNTERS = (("decisions", "fak_routing_decisions", "Requests routed to the rank."),
+                 ("failovers", "fak_routing_failovers", "Requests retried elsewhere after "
+                  "failing on the rank before the first byte."),
+                 ("predicted_cached_tokens", "fak_routing_predicted_cached_tokens",
+                  "Cached prompt tokens the router predicted for the rank."),
+                 ("cached_tokens", "fak_routing_reported_cached_tokens",
+                  "Cached prompt tokens the rank reported for routed requests."),
+                 ("predictions", "fak_routing_predictions", "Routed requests with both a "
+                  "prediction and a reported cached_tokens."),
+                 ("exact_predictions", "fak_routing_exact_predictions", "Of those, the ones "
+                  "whose prediction equalled the reported cached_tokens."))
+
+
+class FleetCollector(Collector):
+    """Per upstream and rank (labels `upstream`, `rank`), read from the fleet at scrape
+    time: health, KV-index sync state (one gauge per state, 1 for the current one), load,
+    routing decisions and predicted against reported cached tokens."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[Metric]:  # type: ignore[override]
+        views = self.fleet.upstream_views()
+        up = GaugeMetricFamily("fak_upstream_up", "1 while the upstream takes traffic.",
+                               labels=["upstream"])
+        probes = CounterMetricFamily("fak_upstream_probes", "Capability probes run.",
+                                     labels=["upstream"])
+        sync = GaugeMetricFamily("fak_upstream_kv_sync_state", "KV-index sync state of the "
+                                 "rank (1 for the current state).",
+                                 labels=["upstream", "rank", "state"])
+        gauges = {key: GaugeMetricFamily(name, text, labels=["upstream", "rank"])
+                  for key, name, text in RANK_GAUGES}
+        counters = {key: CounterMetricFamily(name, text, labels=["upstream", "rank"])
+                    for key, name, text in RANK_COUNTERS}
+        for view in views:
+            up.add_metric([view["name"]], 1.0 if view["up"] else 0.0)
+            probes.add_metric([view["name"]], view["probes"])
+            for rank in view["ranks"]:
+                self._rank(view["name"], rank, sync, gauges, counters)
+        yield from (up, probes, sync, *gauges.values(), *counters.values())
+
+    @staticmethod
+    def _rank(name: str, rank: dict[str, Any], sync: GaugeMetricFamily,
+              gauges: dict[str, GaugeMetricFamily],
+              counters: dict[str, CounterMetricFamily]) -> None:
+        labels = [name, str(rank["rank"])]
+        for state in SYNC_STATES:
+            sync.add_metric([*labels, state], 1.0 if rank["sync_state"] == state else 0.0)
+        for key, family in gauges.items():
+            if rank[key] is not None:
+                family.add_metric(labels, rank[key])
+        for key, counter in counters.items():
+            counter.add_metric(labels, rank[key])
+
+
 class GovernorMetrics:
-    def __init__(self) -> None:
+    def __init__(self, fleet: Fleet | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("fak_requests", "Requests by tenant, route and outcome.",
@@ -60,6 +126,8 @@ class GovernorMetrics:
         self.queued = Gauge("fak_queued_requests", "Requests waiting for admission.", registry=r)
         self.serving = ServingCollector()
         r.register(self.serving)
+        if fleet is not None:
+            r.register(FleetCollector(fleet))
 
     def set_serving(self, values: Mapping[str, float | int | None] | None) -> None:
         """The engine's last window; None (a failed scrape) drops it rather than show stale

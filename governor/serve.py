@@ -22,13 +22,14 @@ from governor.config import (
     GovernorConfig,
     ServerConfig,
     TenantConfig,
+    UpstreamSection,
     load_config,
     parse_config,
 )
 from governor.http.server import GovernorServer
 from governor.secrets import StartupRefused, TenantEpochs, load_salt_key
 from governor.state import Governor
-from policies.salts import SaltKey, SaltKeyError
+from policies.salts import SaltKey, SaltKeyError, kv_namespace_key
 
 log = logging.getLogger("fak.serve")
 SHUTDOWN_WAIT_S = 10.0  # for the audit's last writes when the state database is away
@@ -49,7 +50,7 @@ def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
     return replace(config, server=server, tenants=(tenant,)), api_key, admin_token
 
 
-def build_driver(config: GovernorConfig) -> EngineDriver:
+def build_driver(config: GovernorConfig, salt_key: SaltKey) -> EngineDriver:
     if config.engine.kind == "native":
         from adapters.native import NativeDriver, NativeDriverConfig
 
@@ -60,33 +61,24 @@ def build_driver(config: GovernorConfig) -> EngineDriver:
         raise ConfigError("[[tenants]] cache_share reserves native-engine KV blocks; a ridden "
                           "engine offers no capacity isolation (use admission limits and "
                           "rate limits there)")
-    return build_vllm_driver(config.engine)
+    if config.engine.upstreams:
+        from governor.fleet import build_fleet_driver
+
+        return build_fleet_driver(config.engine, kv_namespace_key(salt_key))
+    return build_vllm_driver(config.engine, kv_namespace_key(salt_key))
 
 
-def build_vllm_driver(section: EngineSection) -> EngineDriver:
-    """The ridden vLLM: HTTP driver, KV-event subscriber when configured, dev-mode reset
-    client only when the operator declares it (every call logged)."""
-    from adapters.vllm.capabilities import VLLMDeclarations
-    from adapters.vllm.dev_control import DevControlConfig, VLLMDevControl
-    from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
-    from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
+def build_vllm_driver(section: EngineSection, namespace_key: bytes | None = None
+                      ) -> EngineDriver:
+    """The single-upstream form: one upstream built like a fleet's (governor.fleet), its
+    KV index naming namespaces by `namespace_key` digests."""
+    from governor.fleet import upstream_driver
 
     assert section.base_url is not None  # the config schema requires it for kind = "vllm"
-    declare = section.declare
-    declared = VLLMDeclarations(
-        priority_scheduling=declare.priority_scheduling, dev_mode_reset=declare.prefix_reset,
-        prompt_tokens_details=declare.prompt_tokens_details, determinism=declare.determinism,
-        served_model=section.model)
-    kv = None
-    if section.kv_events:
-        kv = KVEventSubscriber(KVSubscriberConfig(endpoint=section.kv_events,
-                                                  replay_endpoint=section.kv_replay))
-    dev = None
-    if declare.prefix_reset:
-        dev = VLLMDevControl(DevControlConfig(section.base_url, enabled=True),
-                             lambda call: log.warning("dev-mode control call: %s", call))
-    return VLLMDriver(VLLMHTTPConfig(section.base_url), declared, kv=kv, reset_route=dev,
-                      fak_control=fak_control_client(section))
+    upstream = UpstreamSection(name="default", base_url=section.base_url,
+                               kv_events=section.kv_events, kv_replay=section.kv_replay,
+                               metrics_url=section.metrics_url, declare=section.declare)
+    return upstream_driver(upstream, section, namespace_key, fak_control_client(section))
 
 
 def fak_control_client(section: EngineSection) -> Any:
@@ -104,13 +96,18 @@ def fak_control_client(section: EngineSection) -> Any:
                                  lambda call: log.warning("cache-control call: %s", call))
 
 
-def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:
+def governor_salt_key(config: GovernorConfig, create_key: bool) -> SaltKey:
+    """The salt key in data_dir (created only when asked); refuses start-up otherwise."""
     data_dir = config.server.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        key = SaltKey(load_salt_key(data_dir, create=create_key))
+        return SaltKey(load_salt_key(data_dir, create=create_key))
     except SaltKeyError as exc:
         raise StartupRefused(str(exc)) from exc
+
+
+def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:
+    key = governor_salt_key(config, create_key)
     if config.state.backend == "postgres":
         from governor.store.backend import open_shared_state
 
@@ -119,7 +116,8 @@ def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: boo
         gov.quarantine_store = shared.records
         return gov
     audit = AuditLog.open(audit_log_config(config))
-    return Governor(config, driver, key, TenantEpochs(data_dir, audit.epochs_at_open), audit)
+    return Governor(config, driver, key, TenantEpochs(config.server.data_dir, audit.epochs_at_open),
+                    audit)
 
 
 def audit_log_config(config: GovernorConfig) -> AuditLogConfig:
@@ -131,8 +129,20 @@ def audit_log_config(config: GovernorConfig) -> AuditLogConfig:
                           anchor_dir=section.anchor_dir, min_free_bytes=section.min_free_bytes)
 
 
+async def start_driver(driver: EngineDriver) -> None:
+    """Start the engine driver; an upstream that fails its probes refuses start-up in one
+    line (SEC-16)."""
+    from adapters.vllm.capabilities import CapabilityRefusedError
+
+    try:
+        await driver.start()
+    except CapabilityRefusedError as exc:
+        await driver.close()
+        raise StartupRefused(f"upstream refused: {exc}") from None
+
+
 async def run_governor(gov: Governor, server: ServerConfig) -> None:
-    await gov.driver.start()
+    await start_driver(gov.driver)
     listeners = GovernorServer(gov)
     await listeners.start(server.host, server.port, server.metrics_host,
                           server.metrics_listen_port)
@@ -212,7 +222,8 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
     if data_dir and config_path:
         server = replace(server, data_dir=Path(data_dir))
     config = replace(config, server=server)
-    gov = build_governor(config, build_driver(config), create_key)
+    driver = build_driver(config, governor_salt_key(config, create_key))
+    gov = build_governor(config, driver, create_key)
     if banner:
         print(banner, flush=True)
     asyncio.run(run_governor(gov, server))

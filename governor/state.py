@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from adapters.driver import EngineDriver
+from adapters.driver import EngineDriver, Fleet
 from governor.admission import Admission, AdmissionRejected, Ticket
 from governor.audit.counters import AuditCounters
 from governor.audit.entry import AuditLogError
@@ -46,7 +46,7 @@ class Governor:
         self.inputs = {t.id: self._inputs(t) for t in config.tenants}
         for t in config.tenants:
             self.admission.set_rate_limits(t.id, t.requests_per_s, t.tokens_per_min)
-        self.metrics = GovernorMetrics()
+        self.metrics = GovernorMetrics(driver if isinstance(driver, Fleet) else None)
         self.audit_counters = AuditCounters(config.audit.summary_interval_s, audit.refusal)
         self.quarantine_store: QuarantineStore | None = None  # shared records (postgres)
         self.draining = False

@@ -12,6 +12,9 @@ padding or leading zeros ("0", "7", "2345"). Framing keeps ("org_1", "2345") apa
 name or a bare digest. The result is 48 characters from `A-Z a-z 0-9 - _`, which vLLM's
 salt rule accepts.
 
+KV namespaces (SEC-17): a shadow index built from KV events names a namespace by
+`namespace_digest(kv_namespace_key(K), salt)`, never by the salt itself.
+
 Client salt inputs (SEC-2): only the governor picks a namespace, so any salt-like field a
 client sends is found here for the governor to reject (400) or strip and audit.
 """
@@ -28,6 +31,9 @@ from typing import Any
 SALT_PREFIX = "fak1-"
 SALT_DOMAIN = "cache-salt-v1"
 MIN_KEY_BYTES = 32
+KV_NAMESPACE_KEY_DOMAIN = "kv-namespace-key-v1"
+KV_NAMESPACE_DOMAIN = "kv-namespace-v1"
+NAMESPACE_PREFIX = "ns1-"
 
 VLLM_SALT_MAX_CHARS = 128
 VLLM_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
@@ -100,12 +106,33 @@ def frame(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
+def framed_mac(secret: bytes, fields: Sequence[str]) -> bytes:
+    """HMAC-SHA256(secret, frame(f1) ‖ frame(f2) ‖ …), fields UTF-8."""
+    message = b"".join(frame(field.encode("utf-8")) for field in fields)
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def _b64(digest: bytes) -> str:
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+
 def framed_salt(key: SaltKey | bytes | bytearray | None, fields: Sequence[str]) -> str:
     """`"fak1-" + base64url(HMAC-SHA256(K, frame(f1) ‖ frame(f2) ‖ …))`, fields UTF-8."""
-    secret = as_salt_key(key).secret
-    message = b"".join(frame(field.encode("utf-8")) for field in fields)
-    digest = hmac.new(secret, message, hashlib.sha256).digest()
-    return SALT_PREFIX + base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+    return SALT_PREFIX + _b64(framed_mac(as_salt_key(key).secret, fields))
+
+
+def kv_namespace_key(key: SaltKey | bytes | bytearray | None) -> bytes:
+    """The key a KV shadow index digests namespaces with: HMAC(K, frame("kv-namespace-key-v1")).
+    A separate key, so an index's digests never reveal or equal a salt (SEC-17)."""
+    return framed_mac(as_salt_key(key).secret, (KV_NAMESPACE_KEY_DOMAIN,))
+
+
+def namespace_digest(namespace_key: bytes, salt: str) -> str:
+    """How a shadow index names the namespace of `salt`: `"ns1-" + base64url(HMAC(kns,
+    frame("kv-namespace-v1") ‖ frame(salt)))`. Deterministic per key, one-way without it."""
+    if len(namespace_key) < MIN_KEY_BYTES:
+        raise SaltKeyError("namespace key must be at least 32 bytes")
+    return NAMESPACE_PREFIX + _b64(framed_mac(namespace_key, (KV_NAMESPACE_DOMAIN, salt)))
 
 
 def epoch_text(epoch: int) -> str:

@@ -28,7 +28,14 @@ class PriorityDirection(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class EngineCapabilities:
-    """Capability record of one engine (docs/design.md §2). Unknown = off."""
+    """Capability record of one engine (docs/design.md §2). Unknown = off.
+
+    `engine_version`, `prefix_caching_hash_algo` and `num_blocks` (the blocks the engine's
+    prefix cache can hold, per rank) are facts read from the engine. `probed` names the
+    fields a start-up probe established; `declared` those the operator declared (a name in
+    both: declared and confirmed; in `declared` only: resting on the declaration). A native
+    engine's record is what it implements, so both are empty there.
+    """
 
     engine_kind: Literal["native", "vllm"]
     model_id: str
@@ -44,6 +51,11 @@ class EngineCapabilities:
     cached_tokens_in_usage: bool = False
     capacity_isolation: bool = False
     determinism: Determinism = Determinism.UNAVAILABLE
+    engine_version: str | None = None
+    prefix_caching_hash_algo: str | None = None
+    num_blocks: int | None = None
+    probed: tuple[str, ...] = ()
+    declared: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
 

@@ -5,11 +5,16 @@
   configured and the probe found it (never on a real vLLM: it has no such route);
 - KV-event evidence: the subscriber's watermark and the batches after it, every rank;
 - the canary probe: a generation request like any tenant's.
+
+`VLLMCacheControl(driver, dp_rank=r)` is the view of one data-parallel rank (a fleet's
+member): the KV evidence of that rank only and probes pinned to it; a reset still resets
+the whole server (vLLM resets every DP engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -40,12 +45,17 @@ class RiddenEngine(Protocol):
     dev_control: VLLMDevControl | None
     fak_control: FakCacheControlClient | None
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]: ...
+    def generate(self, request: EngineRequest,
+                 dp_rank: int | None = None) -> AsyncIterator[StreamChunk]: ...
 
 
 class VLLMCacheControl:
-    def __init__(self, driver: RiddenEngine) -> None:
+    def __init__(self, driver: RiddenEngine, dp_rank: int | None = None) -> None:
         self.driver = driver
+        self.dp_rank = dp_rank
+
+    def _ranks(self, kv: KVEventSubscriber) -> tuple[int, ...]:
+        return kv.ranks() if self.dp_rank is None else (self.dp_rank,)
 
     async def evict_span(self, namespace: str, span: SpanSpec, start: int) -> SpanEviction:
         control = self.driver.fak_control
@@ -63,11 +73,12 @@ class VLLMCacheControl:
         kv = self.driver.kv
         if kv is None:
             return None
+        ranks = self._ranks(kv)
         deadline = time.monotonic() + settle_s
-        while time.monotonic() < deadline and not (
-                kv.ranks() and all(kv.state(r) is SyncState.SYNCED for r in kv.ranks())):
+        while time.monotonic() < deadline and not all(
+                kv.state(r) is SyncState.SYNCED for r in ranks):
             await asyncio.sleep(0.05)
-        marks = {rank: kv.watermark(rank) for rank in kv.ranks() or (0,)}
+        marks = {rank: kv.watermark(rank) for rank in ranks}
         return KVMark(tuple((r, m.seq) for r, m in sorted(marks.items())), marks)
 
     async def kv_removal(self, mark: KVMark, done: Callable[[KVRemoval], bool],
@@ -95,5 +106,6 @@ class VLLMCacheControl:
 
     async def probe(self, tenant: str, salt: str, route: Route, body: dict[str, Any],
                     timeout_s: float) -> Usage | None:
-        return await probe_usage(self.driver.generate, self.driver.capabilities.model_id,
+        generate = functools.partial(self.driver.generate, dp_rank=self.dp_rank)
+        return await probe_usage(generate, self.driver.capabilities.model_id,
                                  tenant, salt, route, body, timeout_s)

@@ -81,6 +81,16 @@ class ControlPlane:
     async def models(self) -> httpx.Response:
         return await self._models.get()
 
+    async def version(self) -> str | None:
+        """What `GET /version` answers now (None: no usable answer)."""
+        endpoint = self.urls.version()
+        try:
+            response = await self.client.request(endpoint.method, endpoint.url)
+            version = response.json().get("version") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return version if isinstance(version, str) else None
+
     async def _get_health(self) -> bool:
         endpoint = self.urls.health()
         try:

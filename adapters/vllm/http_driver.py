@@ -6,6 +6,12 @@ scheduling, and a client-supplied one is always dropped. Streams are relayed one
 chunk. Upstream errors keep vLLM's status and error JSON; transport failures become 502/504.
 Closing the generator (client disconnect) closes the upstream response, which makes vLLM
 abort the request. Redirects are never followed (they could leave the allowlist).
+
+Upstream isolation is probed, not assumed (SEC-16): `start()` probes the capabilities
+(adapters/vllm/capabilities.py) and refuses; after a reconnect — a refused or broken
+connection, `/health` failing, or the KV stream showing an engine restart — the engine gets
+no request until a re-probe passed (`ensure_probed`), and while it is refused every request
+is answered 503 with the reason. Re-probes are at most one per `reprobe_interval_s`.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from .upstream_errors import error_from_body, timed_out, unavailable
 from .urls import EngineURLs
 
 T = TypeVar("T")
+RANK_HEADER = "X-data-parallel-rank"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +58,31 @@ class VLLMHTTPConfig:
     total_timeout_s: float = 900.0
     api_key: str | None = None
     max_connections: int = 512
+    probe_timeout_s: float = 120.0
+    reprobe_interval_s: float = 1.0
+    metrics_url: str | None = None
 
     def __post_init__(self) -> None:
         EngineURLs(self.base_url)
-        if min(self.connect_timeout_s, self.first_byte_timeout_s, self.total_timeout_s) <= 0:
+        self.metrics_urls()
+        if min(self.connect_timeout_s, self.first_byte_timeout_s, self.total_timeout_s,
+               self.probe_timeout_s) <= 0:
             raise ValueError("timeouts must be positive")
+        if self.reprobe_interval_s < 0:
+            raise ValueError("reprobe_interval_s must be >= 0")
         if self.first_byte_timeout_s > self.total_timeout_s:
             raise ValueError("first_byte_timeout_s cannot exceed total_timeout_s")
         if self.max_connections <= 0:
             raise ValueError("max_connections must be positive")
+
+
+    def metrics_urls(self) -> EngineURLs:
+        """Where `/metrics` is: `metrics_url` (…/metrics) when given, else the base URL."""
+        if self.metrics_url is None:
+            return EngineURLs(self.base_url)
+        if not self.metrics_url.endswith("/metrics"):
+            raise ValueError(f"metrics_url must end with /metrics: {self.metrics_url!r}")
+        return EngineURLs(self.metrics_url[: -len("/metrics")])
 
 
 def forwarded_body(
@@ -94,6 +117,7 @@ class VLLMDriver:
     ) -> None:
         self.config = config
         self.urls = EngineURLs(config.base_url)
+        self.metrics_urls = config.metrics_urls()
         self._declarations = declarations or VLLMDeclarations()
         self._given_capabilities = capabilities
         self.kv = kv
@@ -106,6 +130,12 @@ class VLLMDriver:
         self.capabilities = capabilities or EngineCapabilities(
             engine_kind="vllm", model_id="", notes=("not probed",)
         )
+        self._probe_lock = asyncio.Lock()
+        self._needs_probe = False
+        self._last_probe_at = float("-inf")
+        self._kv_restarts = 0
+        self.refusal: str | None = None
+        self.probes = 0
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -125,22 +155,69 @@ class VLLMDriver:
         if self.kv is not None:
             await self.kv.start()
         if self._given_capabilities is None:
-            self.capabilities = await probe_capabilities(
-                self._client, self.urls, self._declarations, self.kv, self.dev_control
-            )
-            if self.fak_control is not None:
-                await self._probe_fak_control(self.fak_control)
+            await self._probe()
 
-    async def _probe_fak_control(self, control: FakCacheControlClient) -> None:
+    async def _probe(self) -> None:
+        """Probe now; on success adopt the record and bound the KV index by its blocks."""
+        self._last_probe_at = asyncio.get_running_loop().time()
+        kv_restarts = self._kv_restart_count()
+        try:
+            async with asyncio.timeout(self.config.probe_timeout_s):
+                capabilities = await probe_capabilities(
+                    self._require_client(), self.urls, self._declarations, self.kv,
+                    self.dev_control, self.metrics_urls)
+        except TimeoutError:
+            raise CapabilityRefusedError(
+                f"capability probe took over {self.config.probe_timeout_s}s") from None
+        finally:
+            self.probes += 1  # completed probes, passed or refused
+        if self.fak_control is not None:
+            capabilities = await self._probe_fak_control(self.fak_control, capabilities)
+        self.capabilities = capabilities
+        if self.kv is not None and capabilities.num_blocks:
+            self.kv.set_block_capacity(capabilities.num_blocks)
+        self._kv_restarts = kv_restarts
+        self._needs_probe = False
+        self.refusal = None
+
+    def _kv_restart_count(self) -> int:
+        return sum(self.kv.restarts(r) for r in self.kv.ranks()) if self.kv else 0
+
+    def mark_reconnect(self) -> None:
+        """The engine may have restarted: probe it again before the next request."""
+        self._needs_probe = True
+
+    async def ensure_probed(self) -> None:
+        """Re-probe after a reconnect or restart; EngineError 503 while refused."""
+        if self._given_capabilities is not None:
+            return
+        if self._kv_restart_count() != self._kv_restarts:
+            self._needs_probe = True
+        if not self._needs_probe:
+            return
+        async with self._probe_lock:
+            loop = asyncio.get_running_loop()
+            wait = self._last_probe_at + self.config.reprobe_interval_s - loop.time()
+            if self._needs_probe and (self.refusal is None or wait <= 0):
+                try:
+                    await self._probe()
+                except CapabilityRefusedError as exc:
+                    self.refusal = str(exc)
+        if self._needs_probe:
+            raise EngineError(status=503, message=f"upstream refused on re-probe: "
+                              f"{self.refusal}", type="ServiceUnavailable")
+
+    async def _probe_fak_control(self, control: FakCacheControlClient,
+                                 capabilities: EngineCapabilities) -> EngineCapabilities:
         """A configured cache-control token is a declaration: the route must answer."""
         if not await control.probe():
             raise CapabilityRefusedError(
                 "a cache-control token is configured but GET /fak/v1/cache/capabilities did "
                 "not accept it (start `fak engine serve --enable-cache-control` with the "
                 "same FAK_CACHE_CONTROL_TOKEN)")
-        self.capabilities = dataclasses.replace(
-            self.capabilities, exact_span_evict=True,
-            notes=(*self.capabilities.notes, "exact_span_evict probed on the fak control route"))
+        return dataclasses.replace(
+            capabilities, exact_span_evict=True, probed=(*capabilities.probed, "exact_span_evict"),
+            notes=(*capabilities.notes, "exact_span_evict probed on the fak control route"))
 
     async def close(self) -> None:
         if self._client is not None:
@@ -167,7 +244,17 @@ class VLLMDriver:
         return self._control
 
     async def ready(self) -> bool:
-        return self._control is not None and await self._control.healthy()
+        """Healthy, and probed since the last reconnect."""
+        if self._control is None:
+            return False
+        if not await self._control.healthy():
+            self.mark_reconnect()
+            return False
+        try:
+            await self.ensure_probed()
+        except EngineError:
+            return False
+        return True
 
     async def alive(self) -> bool:
         """The driver is up; whether vLLM answers is readiness, not this process's life."""
@@ -184,20 +271,36 @@ class VLLMDriver:
         except MalformedUpstreamError as exc:
             raise unavailable(str(exc)) from exc
 
-    async def serving_metrics(self) -> dict[str, float | None]:
-        """Normalised metrics over the window since the previous call (first: since start)."""
+    async def scrape(self) -> MetricsSnapshot:
+        """One `/metrics` scrape of this engine (EngineError 502 when it fails)."""
         try:
-            snapshot = await scrape(
-                self._require_control().client, self.urls, self.capabilities.model_id or None
-            )
+            return await scrape(self._require_control().client, self.metrics_urls,
+                                self.capabilities.model_id or None)
         except (MetricsScrapeError, MetricsParseError) as exc:
             raise unavailable(f"metrics: {exc}") from exc
+
+    async def version_changed(self) -> bool:
+        """`/version` now differs from what the last probe read: the engine was replaced,
+        so it is re-probed before its next request."""
+        version = await self._require_control().version()
+        changed = version is not None and version != self.capabilities.engine_version
+        if changed:
+            self.mark_reconnect()
+        return changed
+
+    async def serving_metrics(self) -> dict[str, float | None]:
+        """Normalised metrics over the window since the previous call (first: since start)."""
+        snapshot = await self.scrape()
         window = serving_metrics(snapshot, self._last_metrics)
         self._last_metrics = snapshot
         return dataclasses.asdict(window)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, request: EngineRequest,
+                       dp_rank: int | None = None) -> AsyncIterator[StreamChunk]:
+        """The request on this engine; `dp_rank` pins a data-parallel rank (the
+        `X-data-parallel-rank` header, as vLLM reads it)."""
         client = self._require_client()
+        await self.ensure_probed()
         endpoint = self.urls.generation(request.route)
         body = forwarded_body(
             request, self.capabilities.priority_scheduling, self.capabilities.model_id
@@ -205,10 +308,17 @@ class VLLMDriver:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.total_timeout_s
         first_byte = min(deadline, loop.time() + self.config.first_byte_timeout_s)
-        upstream = client.build_request(
-            endpoint.method, endpoint.url, json=body, headers={"X-Request-Id": request.request_id}
-        )
-        response = await _guarded(client.send(upstream, stream=True), first_byte)
+        headers = {"X-Request-Id": request.request_id}
+        if dp_rank is not None:
+            headers[RANK_HEADER] = str(dp_rank)
+        upstream = client.build_request(endpoint.method, endpoint.url, json=body,
+                                        headers=headers)
+        try:
+            response = await _guarded(client.send(upstream, stream=True), first_byte)
+        except EngineError as exc:
+            if _connection_lost(exc):
+                self.mark_reconnect()
+            raise
         try:
             if response.status_code != 200:
                 raise _status_error(
@@ -222,6 +332,13 @@ class VLLMDriver:
                     yield chunk
         finally:
             await response.aclose()
+
+
+def _connection_lost(exc: EngineError) -> bool:
+    """A refused, reset or broken connection (not a timeout): the engine may be new."""
+    cause = exc.__cause__
+    return isinstance(cause, httpx.TransportError) and not isinstance(
+        cause, httpx.TimeoutException)
 
 
 def _status_error(status: int, raw: bytes) -> EngineError:

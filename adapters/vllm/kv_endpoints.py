@@ -2,16 +2,18 @@
 
 vLLM's PUB binds when its endpoint contains `*` or `::` or is `ipc://` / `inproc://`, and
 connects otherwise; its replay ROUTER always binds. A subscriber does the opposite of the
-PUB, and dials `connect_host` wherever vLLM bound a wildcard address.
+PUB, and dials `connect_host` wherever vLLM bound a wildcard address. `local_side` adds
+SEC-17's rule (policies.kv_sockets): a side that would leave loopback is refused unless the
+operator allows remote KV sockets.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
+from policies.kv_sockets import WILDCARD_HOSTS, KVEndpointForm, remote_refusal, tcp_host_port
+
 BindOrConnect = Literal["bind", "connect"]
-_TCP = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>\d{1,5})")
 
 
 class KVEndpointError(ValueError):
@@ -27,15 +29,15 @@ def dial_address(endpoint: str, connect_host: str) -> str:
     """Where to connect to an endpoint vLLM binds: wildcard hosts become `connect_host`."""
     if endpoint.startswith(("ipc://", "inproc://")):
         return endpoint
-    match = _TCP.fullmatch(endpoint)
-    if match is None:
-        raise KVEndpointError(
-            f"KV endpoint must be tcp://host:port, ipc:// or inproc://: {endpoint!r}"
-        )
-    host = match["host"]
-    if host in ("*", "[::]", "[*]", "0.0.0.0"):
+    try:
+        host, port = tcp_host_port(endpoint)
+    except KVEndpointForm as exc:
+        raise KVEndpointError(str(exc)) from None
+    if not port.isdigit():
+        raise KVEndpointError(f"cannot dial a KV endpoint without a port: {endpoint!r}")
+    if host in WILDCARD_HOSTS:
         host = f"[{connect_host}]" if ":" in connect_host else connect_host
-    return f"tcp://{host}:{match['port']}"
+    return f"tcp://{host}:{port}"
 
 
 def subscriber_side(endpoint: str, mode: str, connect_host: str) -> tuple[BindOrConnect, str]:
@@ -50,3 +52,22 @@ def subscriber_side(endpoint: str, mode: str, connect_host: str) -> tuple[BindOr
         return "connect", dial_address(endpoint, connect_host)
     dial_address(endpoint, connect_host)  # validates the form
     return "bind", endpoint
+
+
+def local_side(endpoint: str, mode: str, connect_host: str,
+               allow_remote: bool) -> tuple[BindOrConnect, str]:
+    """`subscriber_side`, refused (KVEndpointError) when it would leave loopback."""
+    side, address = subscriber_side(endpoint, mode, connect_host)
+    refusal = remote_refusal(address, f"subscriber {side}", allow_remote)
+    if refusal:
+        raise KVEndpointError(refusal)
+    return side, address
+
+
+def local_dial(endpoint: str, connect_host: str, allow_remote: bool) -> str:
+    """`dial_address` for the replay ROUTER, refused when it would leave loopback."""
+    address = dial_address(endpoint, connect_host)
+    refusal = remote_refusal(address, "replay dial", allow_remote)
+    if refusal:
+        raise KVEndpointError(refusal)
+    return address

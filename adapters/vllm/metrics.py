@@ -71,6 +71,25 @@ def parse_samples(text: str) -> Samples:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheConfigInfo:
+    """One engine's `vllm:cache_config_info` labels that fak relies on (None = absent)."""
+
+    engine: str | None
+    prefix_caching_hash_algo: str | None
+    enable_prefix_caching: bool | None
+    block_size: int | None
+    num_gpu_blocks: int | None
+    num_cpu_blocks: int | None
+
+    @property
+    def num_blocks(self) -> int | None:
+        """Blocks the engine can hold on every medium it reports (GPU, plus CPU offload)."""
+        if self.num_gpu_blocks is None:
+            return None
+        return self.num_gpu_blocks + (self.num_cpu_blocks or 0)
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsSnapshot:
     """Cumulative values of one scrape, by normalised field name (None = not exported)."""
 
@@ -78,6 +97,9 @@ class MetricsSnapshot:
     counters: dict[str, float | None]
     histograms: dict[str, Buckets | None]
     block_size: int | None = None
+    cache_config: tuple[CacheConfigInfo, ...] = ()
+    engine_load: dict[str, float] | None = None
+    """Running + waiting requests per DP engine (`engine` label); None if not exported."""
 
 
 def _matching(rows: list[tuple[dict[str, str], float]], model: str | None) -> list[float]:
@@ -118,12 +140,34 @@ def _histogram(samples: Samples, field: str, model: str | None) -> Buckets | Non
     return None
 
 
-def _block_size(samples: Samples) -> int | None:
+def _engine_load(samples: Samples, model: str | None) -> dict[str, float] | None:
+    load: dict[str, float] = defaultdict(float)
+    for name in (*GAUGES["running"], *GAUGES["waiting"]):
+        for labels, value in samples.get(name, []):
+            if model is None or labels.get("model_name") == model:
+                load[labels.get("engine", "0")] += value
+    return dict(load) if load else None
+
+
+def _label_int(labels: dict[str, str], name: str) -> int | None:
+    raw = labels.get(name, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def _cache_config(samples: Samples) -> tuple[CacheConfigInfo, ...]:
+    """One record per engine (DP rank) exporting `vllm:cache_config_info`."""
+    records = []
     for labels, _ in samples.get("vllm:cache_config_info", []):
-        raw = labels.get("block_size", "")
-        if raw.isdigit():
-            return int(raw)
-    return None
+        prefix = labels.get("enable_prefix_caching")
+        records.append(CacheConfigInfo(
+            engine=labels.get("engine"),
+            prefix_caching_hash_algo=labels.get("prefix_caching_hash_algo") or None,
+            enable_prefix_caching=None if prefix not in ("True", "False") else prefix == "True",
+            block_size=_label_int(labels, "block_size"),
+            num_gpu_blocks=_label_int(labels, "num_gpu_blocks"),
+            num_cpu_blocks=_label_int(labels, "num_cpu_blocks"),
+        ))
+    return tuple(records)
 
 
 def _check_value(name: str, value: float | None, upper: float = math.inf) -> None:
@@ -153,11 +197,14 @@ def snapshot_from_text(text: str, model: str | None = None) -> MetricsSnapshot:
         histograms = {f: _histogram(samples, f, model) for f in HISTOGRAMS}
     except ValueError as exc:
         raise MetricsParseError(f"histogram with a non-numeric bucket bound: {exc}") from exc
+    cache_config = _cache_config(samples)
     snapshot = MetricsSnapshot(
         gauges={f: _gauge(samples, f, model) for f in GAUGES},
         counters={f: _counter(samples, f, model) for f in COUNTERS},
         histograms=histograms,
-        block_size=_block_size(samples),
+        block_size=next((c.block_size for c in cache_config if c.block_size), None),
+        cache_config=cache_config,
+        engine_load=_engine_load(samples, model),
     )
     for name, value in (*snapshot.gauges.items(), *snapshot.counters.items()):
         _check_value(name, value, 1.0 if name == "kv_usage" else math.inf)
@@ -239,7 +286,9 @@ async def scrape(
     try:
         response = await client.request(endpoint.method, endpoint.url)
     except httpx.HTTPError as exc:
-        raise MetricsScrapeError(f"GET {endpoint.url} failed: {exc!r}") from exc
+        # The path and class only: the rest can carry the upstream's address.
+        raise MetricsScrapeError(
+            f"GET {endpoint.url.path} failed: {type(exc).__name__}") from exc
     if response.status_code != 200:
-        raise MetricsScrapeError(f"GET {endpoint.url} answered {response.status_code}")
+        raise MetricsScrapeError(f"GET {endpoint.url.path} answered {response.status_code}")
     return snapshot_from_text(response.text, model)

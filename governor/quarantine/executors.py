@@ -94,6 +94,8 @@ class Facts:
     prompt_tokens: int | None = None
     span_tokens: int | None = None
     codes: list[str] = field(default_factory=list)
+    decided: tuple[AuditState, tuple[str, ...]] | None = None
+    """Set for a fleet: the state its members' facts combine to (quarantine/fleet.py)."""
 
 
 class Rotator(Protocol):

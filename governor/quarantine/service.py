@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from adapters.driver import Fleet
 from governor.quarantine.executors import (
     Facts,
     Probe,
@@ -42,6 +43,7 @@ from governor.quarantine.executors import (
     flush,
     rotate_salt,
 )
+from governor.quarantine.fleet import combine, fleet_flush, fleet_rotation
 from governor.state import Governor
 from policies.quarantine import PlanKind, QuarantinePlan, QuarantineSpan, plan_quarantine
 from policies.salts import SaltKey, frame
@@ -204,7 +206,10 @@ def input_payload(span: SpanInput) -> bytes:
 
 def verdict(facts: Facts) -> tuple[AuditState, tuple[str, ...]]:
     """SEC-11: VERIFIED only with all three facts; a contradicted fact is FAILED, a missing
-    one UNVERIFIED. Returns the state and the deciding reason codes."""
+    one UNVERIFIED. Returns the state and the deciding reason codes (a fleet's: what its
+    members' verdicts combine to)."""
+    if facts.decided is not None:
+        return facts.decided
     failed = []
     if facts.engine_ok is False:
         failed.append(f"engine:{facts.engine_result}")
@@ -306,7 +311,10 @@ class QuarantineService:
         tenant, salt = request.tenant, self.gov.salt_for(request.tenant)
         control, caps = self.gov.driver.cache_control, self.gov.driver.capabilities
         probe = request.span.probe()
+        driver = self.gov.driver
         try:
+            if isinstance(driver, Fleet) and plan.kind is not PlanKind.REFUSE:
+                return await self._execute_fleet(driver, plan, request, actor, probe)
             if plan.kind is PlanKind.EXACT:
                 return await exact_span(control, caps, tenant, salt, request.span.spec(),
                                         request.start, probe, self.config)
@@ -325,6 +333,25 @@ class QuarantineService:
             return Facts(engine_result=f"executor_error:{type(exc).__name__.lower()}",
                          engine_ok=False, removal="not_checked", removal_ok=None,
                          threshold=request.start)
+
+    async def _execute_fleet(self, fleet: Fleet, plan: QuarantinePlan,
+                             request: QuarantineRequest, actor: str, probe: Probe) -> Facts:
+        """The plan on every member of the fleet; the facts combine (quarantine/fleet.py)."""
+        members = fleet.cache_members()
+        tenant = request.tenant
+        if plan.kind is PlanKind.WHOLE_PREFIX_FLUSH:
+            per = await fleet_flush(members, tenant, self.gov.salt_for(tenant), probe,
+                                    self.config)
+            facts, state, codes = combine(per, verdict, "fleet_flush")
+        elif plan.kind is PlanKind.SALT_ROTATION:
+            per, old, new = await fleet_rotation(self.gov, members, tenant, actor, probe,
+                                                 self.config)
+            facts, state, codes = combine(per, verdict, "fleet_rotation", old, new)
+        else:  # exact eviction is never planned for a fleet (its capabilities say so)
+            raise QuarantineRequestError("exact eviction is not offered across a fleet",
+                                         "require_exact")
+        facts.decided = (state, tuple(codes))
+        return facts
 
     async def _commit(self, request: QuarantineRequest, plan: QuarantinePlan,
                       facts: Facts | None, actor: str, started: int) -> QuarantineRecord:

@@ -94,6 +94,16 @@ def load_hf_dir(directory: Path) -> LoadedModel:
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     check_weights(config, weights)
+    tokenizer, template = load_hf_tokenizer(directory, hf_config)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
+                       source=str(directory), chat_template=template)
+
+
+def load_hf_tokenizer(directory: Path, hf_config: dict[str, Any] | None = None
+                      ) -> tuple[TextTokenizer, ChatTemplate | None]:
+    """The tokenizer and chat template of an HF directory, without its weights."""
+    if hf_config is None:
+        hf_config = _read_json(directory / "config.json", required=False)
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"{tokenizer_file} is missing")
@@ -104,7 +114,4 @@ def load_hf_dir(directory: Path) -> LoadedModel:
     stops = _id_list(hf_config.get("eos_token_id")) + _id_list(gen_config.get("eos_token_id"))
     tokenizer = TextTokenizer(Tokenizer.from_file(str(tokenizer_file)), bos, eos, stops)
     source = _chat_template_source(directory, tok_config)
-    return LoadedModel(
-        config=config, weights=weights, tokenizer=tokenizer, source=str(directory),
-        chat_template=None if source is None else ChatTemplate(source, bos, eos),
-    )
+    return tokenizer, None if source is None else ChatTemplate(source, bos, eos)

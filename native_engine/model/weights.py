@@ -94,14 +94,18 @@ def _read_cache(weights_file: Path, meta_file: Path, tok_file: Path,
     config = LlamaConfig.from_dict(meta["config"])
     weights = load_file(weights_file)
     check_weights(config, weights)
+    tokenizer, template = _tokenizer_from_cache(meta, tok_file)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=source,
+                       chat_template=template)
+
+
+def _tokenizer_from_cache(meta: dict, tok_file: Path) -> tuple[TextTokenizer,
+                                                               ChatTemplate | None]:
     tokenizer = TextTokenizer(Tokenizer.from_file(str(tok_file)), meta["bos_token"],
                               meta["eos_token"], meta["stop_token_ids"])
     template = meta["chat_template"]
-    return LoadedModel(
-        config=config, weights=weights, tokenizer=tokenizer, source=source,
-        chat_template=None if template is None else ChatTemplate(
-            template, meta["bos_token"], meta["eos_token"]),
-    )
+    return tokenizer, None if template is None else ChatTemplate(
+        template, meta["bos_token"], meta["eos_token"])
 
 
 def _write_cache(model: LoadedModel, weights_file: Path, meta_file: Path,
@@ -131,3 +135,25 @@ def _atomic_write(target: Path, write: Callable[[Path], object]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def load_tokenizer(path: str | Path | None) -> tuple[TextTokenizer, ChatTemplate | None]:
+    """Only the tokenizer and chat template of a model (None: the embedded one)."""
+    target = embedded_gguf_path() if path is None else Path(path).expanduser()
+    if target.is_dir():
+        from native_engine.model.hf_loader import load_hf_tokenizer
+
+        return load_hf_tokenizer(target)
+    if target.is_file() and target.suffix == ".gguf":
+        stem = cache_dir() / file_digest(target)
+        meta_file, tok_file = Path(f"{stem}-meta.json"), Path(f"{stem}-tokenizer.json")
+        if meta_file.is_file() and tok_file.is_file():
+            meta = json.loads(meta_file.read_text())
+            if meta.get("format") == CACHE_FORMAT:
+                return _tokenizer_from_cache(meta, tok_file)
+        import gguf
+
+        from native_engine.model.gguf_loader import read_tokenizer
+
+        return read_tokenizer(gguf.GGUFReader(target))
+    raise FileNotFoundError(f"{target} is neither a .gguf file nor an HF model directory")

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from policies.kv_sockets import KVEndpointForm, loopback_form, remote_refusal
 from schemas.values import is_int
 
 PublisherKind = Literal["zmq", "null"]
@@ -18,10 +19,13 @@ def _check_endpoint(name: str, value: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
-    """vLLM's `--kv-events-config` keys (same names and defaults) plus two fak flags:
-    `legacy_array_format` (S3 positional events instead of maps) and `int_block_hashes`
-    (False: whole 32-byte digests, like VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
-    `publisher` None resolves as vLLM does: "zmq" when events are enabled, else "null"."""
+    """vLLM's `--kv-events-config` keys (same names and defaults) plus three fak flags:
+    `legacy_array_format` (S3 positional events instead of maps), `int_block_hashes`
+    (False: whole 32-byte digests, like VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) and
+    `allow_remote_kv` (SEC-17: without it every socket stays on loopback — a wildcard bind
+    such as vLLM's default `tcp://*:5557` listens on 127.0.0.1, and a non-loopback address
+    is refused here). `publisher` None resolves as vLLM does: "zmq" when events are enabled,
+    else "null"."""
 
     enable_kv_cache_events: bool = False
     publisher: PublisherKind | None = None
@@ -33,9 +37,11 @@ class KVEventsConfig:
     topic: str = ""
     legacy_array_format: bool = False
     int_block_hashes: bool = True
+    allow_remote_kv: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("enable_kv_cache_events", "legacy_array_format", "int_block_hashes"):
+        for name in ("enable_kv_cache_events", "legacy_array_format", "int_block_hashes",
+                     "allow_remote_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.publisher is None:
@@ -52,6 +58,23 @@ class KVEventsConfig:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
         if not isinstance(self.topic, str):
             raise ValueError(f"topic must be a string, got {self.topic!r}")
+        self.socket_address(self.endpoint, "PUB")
+        if self.replay_endpoint is not None:
+            self.socket_address(self.replay_endpoint, "replay ROUTER", binds=True)
+
+    def socket_address(self, endpoint: str, role: str, binds: bool | None = None) -> str:
+        """The address a socket of this publisher uses for `endpoint` (vLLM's bind rule
+        unless `binds` says): a wildcard bind becomes its loopback bind unless remote KV is
+        allowed; an address off loopback raises ValueError unless it is allowed."""
+        bind = endpoint_binds(endpoint) if binds is None else binds
+        try:
+            address = endpoint if self.allow_remote_kv or not bind else loopback_form(endpoint)
+            refusal = remote_refusal(address, f"publisher {role}", self.allow_remote_kv)
+        except KVEndpointForm as exc:
+            raise ValueError(str(exc)) from None
+        if refusal:
+            raise ValueError(refusal)
+        return address
 
     @property
     def active(self) -> bool:
@@ -78,18 +101,3 @@ class KVEventsConfig:
 def endpoint_binds(endpoint: str) -> bool:
     """vLLM's rule: bind for wildcard/IPv6/ipc/inproc endpoints, connect otherwise."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str:
-    """The endpoint of one data-parallel rank, as vLLM derives it: tcp port + rank, inproc
-    name + `_dp{rank}`; rank 0 keeps the endpoint."""
-    if data_parallel_rank == 0:
-        return endpoint
-    if "inproc" in endpoint:
-        return f"{endpoint}_dp{data_parallel_rank}"
-    if "tcp" in endpoint:
-        base, _, port = endpoint.rpartition(":")
-        if not port.isdigit():
-            raise ValueError(f"cannot offset the port of {endpoint!r}")
-        return f"{base}:{int(port) + data_parallel_rank}"
-    raise ValueError("Invalid endpoint: must contain 'inproc' or 'tcp'")

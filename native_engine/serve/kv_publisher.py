@@ -3,9 +3,10 @@
 
 A PUB socket sends one message per batch (native_engine.serve.kv_wire); `seq` starts at 0
 and grows by 1 per batch. The PUB binds when the endpoint contains `*` or `::` or is
-ipc:// / inproc://, and connects otherwise. An optional ROUTER replays the last
-`buffer_steps` batches to a DEALER sending `["", start_seq]`: one `["", topic, seq, payload]`
-per batch with seq >= start_seq, then `["", "", ff×8, ""]`.
+ipc:// / inproc://, and connects otherwise; without `allow_remote_kv` a wildcard bind listens
+on loopback only (SEC-17: the stream carries every tenant's tokens and salts). An optional
+ROUTER replays the last `buffer_steps` batches to a DEALER sending `["", start_seq]`: one
+`["", topic, seq, payload]` per batch with seq >= start_seq, then `["", "", ff×8, ""]`.
 
 ZeroMQ sockets are not thread-safe, so one sender thread owns both sockets; `publish` (any
 thread) encodes the batch, numbers it and queues it. Numbering at `publish` time lets callers
@@ -24,8 +25,9 @@ from collections.abc import Sequence
 import zmq
 
 from native_engine.kvcache.events import EventPublisher, NullEventPublisher
-from native_engine.serve.kv_config import KVEventsConfig, endpoint_binds, offset_endpoint_port
+from native_engine.serve.kv_config import KVEventsConfig, endpoint_binds
 from native_engine.serve.kv_wire import END_SEQ, encode_batch
+from policies.kv_sockets import offset_endpoint_port
 from schemas.kv_events import KVEvent
 from schemas.values import is_int
 
@@ -74,18 +76,22 @@ class ZmqEventPublisher:
 
     def _open_sockets(self) -> None:
         endpoint = offset_endpoint_port(self.config.endpoint, self.data_parallel_rank)
+        address = self.config.socket_address(endpoint, "PUB")
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.sndhwm = self.config.hwm
+        self._pub.ipv6 = "[" in address
         if endpoint_binds(endpoint):
-            self._pub.bind(endpoint)
+            self._pub.bind(address)
         else:
-            self._pub.connect(endpoint)
+            self._pub.connect(address)
         if self.config.replay_endpoint is not None:
             replay = offset_endpoint_port(self.config.replay_endpoint, self.data_parallel_rank)
+            replay_address = self.config.socket_address(replay, "replay ROUTER", binds=True)
             self._replay = self._ctx.socket(zmq.ROUTER)
             # A ROUTER silently drops past its HWM: leave room for one whole replay.
             self._replay.sndhwm = self.config.buffer_steps + 2
-            self._replay.bind(replay)
+            self._replay.ipv6 = "[" in replay_address
+            self._replay.bind(replay_address)
 
     def _close_sockets(self) -> None:
         if self._pub is not None:

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from native_engine.engine import RequestOutput
-from native_engine.model.chat_template import ChatTemplate, ChatTemplateError
+from native_engine.model.chat_template import ChatTemplate
+from native_engine.model.prompt import PromptInvalid, prompt_token_ids
 from native_engine.model.tokenizer import TextTokenizer
 from native_engine.request import SamplingParams
 from native_engine.serve.openai_api import (
@@ -99,24 +100,10 @@ class OpenAIServing:
         self.observe = observe
 
     def prompt_ids(self, parsed: AnyRequest) -> list[int]:
-        if isinstance(parsed, ChatRequest):
-            if self.chat_template is None:
-                raise bad_request("this model has no chat template", "messages")
-            messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
-                        for m in parsed.messages]
-            try:
-                text = self.chat_template.render(messages, add_generation_prompt=True)
-            except ChatTemplateError as exc:
-                raise bad_request(str(exc), "messages") from None
-            return self.tokenizer.encode(text)
-        prompt = parsed.prompt
-        if isinstance(prompt, str) and prompt:
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in prompt):
-            return list(prompt)
-        raise bad_request("'prompt' must be a non-empty string or a list of token ids (one "
-                          "prompt per request on the native engine)", "prompt")
+        try:
+            return prompt_token_ids(parsed, self.tokenizer, self.chat_template)
+        except PromptInvalid as exc:
+            raise bad_request(str(exc), exc.param) from None
 
     def _created_cache_tokens(self, route: Route, prompt_tokens: int, cached: int) -> int | None:
         """Prompt tokens in full blocks this request newly cached; vLLM 0.32 reports it for

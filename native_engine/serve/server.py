@@ -12,7 +12,10 @@ tiers below the device pool (native_engine.kvcache.tiers); their restore rates a
 at start-up and logged.
 
 `--dev-mode` (or VLLM_SERVER_DEV_MODE=1, as vLLM) mounts `POST /reset_prefix_cache` and
-`GET /kv_event_sources`. Flags mirror vLLM's where they overlap. Run it as
+`GET /kv_event_sources`. `--data-parallel-size N` runs N engines in this process with vLLM's
+port offsets and `X-data-parallel-rank` header (native_engine.serve.ranks). `--api-key` (or
+VLLM_API_KEY) guards every `/v1` route as vLLM does: `Authorization: Bearer <key>`, else
+401 `{"error": "Unauthorized"}`. Flags mirror vLLM's where they overlap. Run it as
 `python -m native_engine.serve.server [flags]`.
 """
 
@@ -21,7 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -34,17 +38,26 @@ from importlib import metadata
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, SupervisorConfig
 from native_engine.config import EngineConfig, SchedulingPolicy
 from native_engine.engine import LLMEngine
-from native_engine.kvcache.events import EventPublisher, KVEventRecorder
+from native_engine.kvcache.events import EventPublisher
 from native_engine.serve.control_routes import TOKEN_ENV, CacheControlRoutes
 from native_engine.serve.kv_config import KVEventsConfig
-from native_engine.serve.kv_publisher import make_publisher
-from native_engine.serve.metrics import CacheInfo, ServerMetrics
+from native_engine.serve.metrics import ServerMetrics
 from native_engine.serve.openai_api import parse_json, validate_body
-from native_engine.serve.openai_serving import OpenAIServing, ServingConfig
+from native_engine.serve.openai_serving import OpenAIServing
+from native_engine.serve.ranks import (
+    RANK_HEADER,
+    MergedRegistry,
+    RankEngine,
+    RankSpec,
+    build_ranks,
+    kv_sources,
+    pick_rank,
+)
 from schemas.engine import EngineError, StreamChunk
 from schemas.openai import Route
 
@@ -75,6 +88,8 @@ class ServerConfig:
     device: str = "auto"
     dev_mode: bool = False
     cache_control_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+    data_parallel_size: int = 1
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     kv_offloading_size: float | None = None
@@ -84,6 +99,18 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if isinstance(self.data_parallel_size, bool) or not isinstance(
+                self.data_parallel_size, int) or not 1 <= self.data_parallel_size <= 64:
+            raise ValueError(f"data_parallel_size must be an int in [1, 64], got "
+                             f"{self.data_parallel_size!r}")
+        if self.data_parallel_size > 1 and self.kv_disk_dir is not None:
+            raise ValueError("--kv-disk-dir is one rank's directory; it cannot be combined "
+                             "with --data-parallel-size > 1")
+        if self.data_parallel_size > 1 and self.cache_control_token is not None:
+            raise ValueError("--enable-cache-control serves one engine; it cannot be combined "
+                             "with --data-parallel-size > 1")
+        if self.api_key == "":
+            raise ValueError("--api-key must not be empty")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.served_model_name == "":
@@ -98,6 +125,10 @@ class ServerConfig:
     @property
     def model_root(self) -> str:
         return self.model or EMBEDDED_MODEL_ROOT
+
+    def rank_spec(self) -> RankSpec:
+        return RankSpec(self.engine_config(), self.kv_events, self.supervisor, self.model_name,
+                        self.enable_prompt_tokens_details, self.scheduling_policy == "priority")
 
     def engine_config(self) -> EngineConfig:
         device = self.device
@@ -146,19 +177,49 @@ async def fastapi_shaped_errors(request: web.Request,
         return error_response(EngineError(500, f"internal error: {exc!r}"))
 
 
-class EngineServer:
-    """The aiohttp handlers over one running AsyncLLMEngine."""
+def api_key_guard(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """vLLM's `--api-key`: `/v1` routes need `Authorization: Bearer <key>` (compared by
+    digest in constant time); everything else (health, version, metrics) stays open."""
+    expected = hashlib.sha256(api_key.encode()).digest()
 
-    def __init__(self, config: ServerConfig, engine: AsyncLLMEngine, serving: OpenAIServing,
-                 metrics: ServerMetrics) -> None:
+    @web.middleware
+    async def guard(request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        if request.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+            if scheme != "Bearer" or not hmac.compare_digest(presented, expected):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return guard
+
+
+class EngineServer:
+    """The aiohttp handlers over the running ranks (one unless data parallel)."""
+
+    def __init__(self, config: ServerConfig, ranks: tuple[RankEngine, ...]) -> None:
         self.config = config
-        self.engine = engine
-        self.serving = serving
-        self.metrics = metrics
+        self.ranks = ranks
+        self._metrics = MergedRegistry(r.metrics.registry for r in ranks)
+
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        return self.ranks[0].engine
+
+    @property
+    def serving(self) -> OpenAIServing:
+        return self.ranks[0].serving
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.ranks[0].metrics
 
     def app(self) -> web.Application:
+        guards = [api_key_guard(self.config.api_key)] if self.config.api_key else []
         app = web.Application(client_max_size=MAX_BODY_BYTES,
-                              middlewares=[fastapi_shaped_errors])
+                              middlewares=[fastapi_shaped_errors, *guards])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -186,17 +247,23 @@ class EngineServer:
         # The engine id stays unique even when clients repeat an X-Request-Id.
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         try:
-            parsed = validate_body(route, parse_json(await request.read()))
-            prepared = await self.serving.prepare_off_loop(route, parsed, None, None)
-            events = self.serving.generate(prepared, f"{request_id}-{uuid.uuid4().hex[:8]}")
-            first = await anext(events)
+            rank = pick_rank(self.ranks, request.headers.get(RANK_HEADER))
         except EngineError as exc:
             return error_response(exc)
-        async with contextlib.aclosing(events):
-            if not prepared.stream:
-                return web.Response(body=_json_bytes(first.data),
-                                    content_type="application/json")
-            return await self._stream(request, first, events)
+        with rank.serving_one():
+            try:
+                parsed = validate_body(route, parse_json(await request.read()))
+                prepared = await rank.serving.prepare_off_loop(route, parsed, None, None)
+                events = rank.serving.generate(prepared,
+                                               f"{request_id}-{uuid.uuid4().hex[:8]}")
+                first = await anext(events)
+            except EngineError as exc:
+                return error_response(exc)
+            async with contextlib.aclosing(events):
+                if not prepared.stream:
+                    return web.Response(body=_json_bytes(first.data),
+                                        content_type="application/json")
+                return await self._stream(request, first, events)
 
     async def _stream(self, request: web.Request, first: StreamChunk,
                       events: AsyncIterator[StreamChunk]) -> web.StreamResponse:
@@ -224,28 +291,34 @@ class EngineServer:
         return web.json_response(self.serving.models(self.config.model_root))
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 (empty, as vLLM) only while the engine loop runs; else 503 saying why."""
-        live = self.engine.liveness()
-        if live.alive:
-            return web.Response(status=200)
-        return web.json_response({"status": live.state.value, "reason": live.reason,
-                                  "restarts": live.restarts}, status=503)
+        """200 (empty, as vLLM) only while every rank's engine loop runs; else 503 saying
+        why (the first rank that is down)."""
+        for rank in self.ranks:
+            live = rank.engine.liveness()
+            if not live.alive:
+                return web.json_response({"status": live.state.value, "reason": live.reason,
+                                          "restarts": live.restarts, "rank": rank.rank},
+                                         status=503)
+        return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": fak_version()})
 
     async def scrape(self, request: web.Request) -> web.Response:
-        if self.engine.is_alive:
-            with contextlib.suppress(EngineDeadError):  # it died since: serve what we have
-                self.metrics.update(await self.engine.stats())
-        return web.Response(body=self.metrics.render(),
-                            headers={"Content-Type": self.metrics.content_type})
+        for rank in self.ranks:
+            if rank.engine.is_alive:
+                with contextlib.suppress(EngineDeadError):  # it died since: serve what we have
+                    rank.metrics.update(await rank.engine.stats())
+        return web.Response(body=generate_latest(self._metrics),  # type: ignore[arg-type]
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        return web.json_response({"success": await self.engine.reset_prefix_cache()})
+        """Every rank's prefix cache (as vLLM resets all DP engines); success only if all."""
+        results = [await rank.engine.reset_prefix_cache() for rank in self.ranks]
+        return web.json_response({"success": all(results)})
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:
-        return web.json_response({"0": dataclasses.asdict(self.config.kv_events)})
+        return web.json_response(kv_sources(self.config.kv_events, len(self.ranks)))
 
 
 def fak_version() -> str:
@@ -260,13 +333,20 @@ def fak_version() -> str:
 
 @dataclass
 class RunningServer:
-    """A started server: its URL, engine and publisher; `close()` stops all three."""
+    """A started server: its URL and ranks (engines, publishers); `close()` stops all."""
 
     config: ServerConfig
     base_url: str
-    engine: AsyncLLMEngine
-    publisher: EventPublisher
+    ranks: tuple[RankEngine, ...]
     runner: web.AppRunner
+
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        return self.ranks[0].engine
+
+    @property
+    def publisher(self) -> EventPublisher:
+        return self.ranks[0].publisher
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -274,39 +354,19 @@ class RunningServer:
 
     async def close(self) -> None:
         await self.runner.cleanup()
-        await self.engine.close()
-        if self.llm_engine.tiers is not None:
-            await asyncio.to_thread(self.llm_engine.tiers.close)
-        self.publisher.close()
+        for rank in self.ranks:
+            await rank.close()
 
 
-async def build_server(config: ServerConfig) -> tuple[EngineServer, EventPublisher]:
-    """Load the model, start the engine loop and the KV-event publisher."""
-    publisher = make_publisher(config.kv_events)
-    recorder = KVEventRecorder(publisher) if config.kv_events.active else None
-    try:
-        llm = await asyncio.to_thread(LLMEngine.from_config, config.engine_config(),
-                                      recorder)
-    except BaseException:
-        publisher.close()
-        raise
-    engine = AsyncLLMEngine(llm, config.supervisor)
-    await engine.start()
-    metrics = ServerMetrics(config.model_name, CacheInfo(
-        llm.config.block_size, llm.config.num_blocks, llm.cache is not None))
-    serving = OpenAIServing(
-        engine, llm.runner.tokenizer, llm.runner.chat_template,
-        ServingConfig(config.model_name, llm.max_model_len,
-                      prompt_tokens_details=config.enable_prompt_tokens_details,
-                      priority_enabled=config.scheduling_policy == "priority",
-                      block_size=llm.config.block_size),
-        observe=metrics.track)
-    return EngineServer(config, engine, serving, metrics), publisher
+async def build_server(config: ServerConfig) -> EngineServer:
+    """Load the model, start every rank's engine loop and KV-event publisher."""
+    return EngineServer(config, await build_ranks(config.rank_spec(),
+                                                  config.data_parallel_size))
 
 
 async def start_server(config: ServerConfig) -> RunningServer:
     """Build and bind (port 0 picks a free port); the caller must `close()` it."""
-    server, publisher = await build_server(config)
+    server = await build_server(config)
     runner = web.AppRunner(server.app(), access_log=None)
     try:
         await runner.setup()
@@ -314,11 +374,11 @@ async def start_server(config: ServerConfig) -> RunningServer:
         await site.start()
     except BaseException:
         await runner.cleanup()
-        await server.engine.close()
-        publisher.close()
+        for rank in server.ranks:
+            await rank.close()
         raise
     host, port = runner.addresses[0][:2]
-    return RunningServer(config, f"http://{host}:{port}", server.engine, publisher, runner)
+    return RunningServer(config, f"http://{host}:{port}", server.ranks, runner)
 
 
 async def serve_forever(config: ServerConfig) -> None:
@@ -360,6 +420,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dev-mode", action="store_true",
                    help="mount POST /reset_prefix_cache (also VLLM_SERVER_DEV_MODE=1)")
+    p.add_argument("--data-parallel-size", "-dp", type=int,
+                   default=d["data_parallel_size"].default,
+                   help="engines in this process, one per rank (vLLM's port offsets and "
+                   "X-data-parallel-rank header)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="require this bearer token on /v1 routes (default: $VLLM_API_KEY)")
     p.add_argument("--enable-cache-control", action="store_true",
                    help=f"mount fak's exact-span eviction route, behind the bearer token in "
                    f"${TOKEN_ENV} (required)")
@@ -384,6 +450,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         attention_backend=args.attention_backend, dtype=args.dtype, device=args.device,
         dev_mode=args.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         cache_control_token=_cache_control_token(args.enable_cache_control),
+        api_key=args.api_key, data_parallel_size=args.data_parallel_size,
         kv_events=kv_events, kv_offloading_size=args.kv_offloading_size,
         kv_disk_dir=args.kv_disk_dir, kv_disk_size=args.kv_disk_size)
 

@@ -1,6 +1,10 @@
-"""Capability probes against the 0.32.0 imitation and real ZeroMQ sockets (docs/design.md §2)."""
+"""Capability probes against the 0.32.0 imitation and real ZeroMQ sockets (docs/design.md §2),
+and SEC-16: upstream isolation probed, not assumed — a weak hash, salts not validated or not
+honoured refuse start-up in one line, and a reconnect re-probes before traffic."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import zmq.asyncio
@@ -9,7 +13,8 @@ from adapters.vllm.capabilities import CapabilityRefusedError, VLLMDeclarations
 from adapters.vllm.dev_control import DevControlConfig, VLLMDevControl
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
-from schemas.engine import Determinism
+from schemas.engine import Determinism, EngineError, EngineRequest
+from schemas.validate import validate
 from tests.adapters.test_vllm_kv_subscriber import FakeVLLMSockets, free_port
 from tests.adapters.vllm_imitation import Imitation, start_imitation
 
@@ -43,7 +48,14 @@ async def test_plain_probe_fills_facts_and_keeps_declarable_flags_off() -> None:
         or caps.cached_tokens_in_usage
     )
     assert caps.determinism is Determinism.UNAVAILABLE
-    assert [p for _, p, _, _ in state.received] == ["/v1/models", "/metrics"]
+    assert [p for _, p, _, _ in state.received] == [
+        "/v1/models", "/version", "/metrics", "/v1/completions"]
+    assert state.received[-1][3]["cache_salt"] == "a/b"  # vLLM's salt validation, probed
+    assert (caps.engine_version, caps.prefix_caching_hash_algo, caps.num_blocks) == (
+        "0.32.0", "sha256_cbor", 24)
+    assert {"cache_salt", "prefix_caching_hash_algo", "engine_version"} <= set(caps.probed)
+    assert caps.declared == () and "cached_tokens_in_usage" not in caps.probed
+    validate("engine_capabilities", caps)
 
 
 async def test_declarations_confirmed_by_probes() -> None:
@@ -60,8 +72,15 @@ async def test_declarations_confirmed_by_probes() -> None:
     assert not caps.exact_span_evict
     assert ("GET", "/reset_prefix_cache") in {(m, p) for m, p, _, _ in state.received}
     assert ("POST", "/reset_prefix_cache") not in {(m, p) for m, p, _, _ in state.received}
-    probe_body = next(b for m, p, _, b in state.received if p == "/v1/completions")
-    assert probe_body["cache_salt"] and probe_body["max_tokens"] == 1
+    controls = [b for m, p, _, b in state.received if p == "/v1/completions"][1:]
+    assert [b["max_tokens"] for b in controls] == [1, 1, 1]
+    salts = [b["cache_salt"] for b in controls]
+    assert salts[0] == salts[1] != salts[2]  # positive control, then a fresh salt
+    assert {"prefix_reset", "cached_tokens_in_usage"} <= set(caps.probed)
+    assert set(caps.declared) == {"priority_scheduling", "prefix_reset",
+                                  "cached_tokens_in_usage", "determinism"}
+    assert "priority_scheduling" not in caps.probed
+    validate("engine_capabilities", caps)
 
 
 async def test_declared_dev_mode_refused_when_route_missing() -> None:
@@ -108,3 +127,66 @@ async def test_kv_endpoint_without_publisher_refused() -> None:
             await probe(Imitation(), VLLMDeclarations(kv_probe_timeout_s=0.3), kv=kv)
     finally:
         await kv.close()
+
+
+# --- SEC-16: isolation probed, not assumed ---------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor", "builtin"])
+async def test_weak_prefix_hash_refused(algo: str) -> None:
+    with pytest.raises(CapabilityRefusedError, match=f"hashes prefix-cache blocks with {algo}"
+                       ) as refused:
+        await probe(Imitation(hash_algo=algo), VLLMDeclarations())
+    assert "\n" not in str(refused.value) and "sha256" in str(refused.value)
+
+
+async def test_unknown_prefix_hash_refused() -> None:
+    with pytest.raises(CapabilityRefusedError, match="does not export prefix_caching_hash_algo"):
+        await probe(Imitation(hash_algo=None), VLLMDeclarations())
+
+
+async def test_server_without_salt_validation_refused() -> None:
+    with pytest.raises(CapabilityRefusedError, match="does not validate, so does not honour"):
+        await probe(Imitation(validates_salts=False), VLLMDeclarations())
+
+
+async def test_salts_ignored_by_the_cache_fail_the_negative_control() -> None:
+    state = Imitation(honours_salts=False)
+    with pytest.raises(CapabilityRefusedError, match="negative control failed"):
+        await probe(state, VLLMDeclarations(prompt_tokens_details=True))
+    # The same server honouring salts passes both controls.
+    caps = await probe(Imitation(), VLLMDeclarations(prompt_tokens_details=True))
+    assert "cache_salt: same salt repeat hit 256 cached tokens, a fresh salt 0" in caps.notes
+
+
+async def test_reconnect_reprobes_before_traffic() -> None:
+    """The upstream goes away and comes back on the same port as an xxhash server: no
+    request reaches it until a re-probe passes, and requests meanwhile get 503."""
+    state = Imitation()
+    runner, base_url = await start_imitation(state)
+    port = int(base_url.rsplit(":", 1)[1])
+    driver = VLLMDriver(VLLMHTTPConfig(base_url, reprobe_interval_s=0.0))
+    request = EngineRequest.of("r1", "completions", {"prompt": "hello there", "max_tokens": 1},
+                               "t", "fak1-salt")
+    try:
+        await driver.start()
+        assert driver.probes == 1 and [c async for c in driver.generate(request)]
+        await runner.cleanup()
+        with pytest.raises(EngineError) as down:
+            [c async for c in driver.generate(request)]
+        assert down.value.status == 502
+        weak = Imitation(hash_algo="xxhash")
+        runner, _ = await start_imitation(weak, port)
+        with pytest.raises(EngineError, match="xxhash") as refused:
+            [c async for c in driver.generate(request)]
+        assert refused.value.status == 503 and not await driver.ready()
+        assert not any(p == "/v1/completions" and b.get("cache_salt") == "fak1-salt"
+                       for _, p, _, b in weak.received)
+        await runner.cleanup()
+        runner, _ = await start_imitation(Imitation(), port)
+        await asyncio.sleep(0)
+        assert [c async for c in driver.generate(request)] and await driver.ready()
+        assert driver.capabilities.prefix_caching_hash_algo == "sha256_cbor"
+    finally:
+        await driver.close()
+        await runner.cleanup()

@@ -148,3 +148,24 @@ def test_recorded_run_step_by_step(run) -> None:
         assert index.uncertain() == set()
         for namespace in set(salts.values()):
             assert index.resident(namespace) == {h for h, s in salts.items() if s == namespace}
+
+
+def test_chain_keys_match_prompt_prefixes_only_in_their_namespace() -> None:
+    """Routing's view: how many leading blocks of a prompt a rank holds, per namespace."""
+    index = ShadowIndex()
+    tokens = list(range(100, 100 + 3 * 32))
+    index.apply(BlockStored((1, 2), None, tuple(tokens[:64]), 32,
+                            extra_keys=(("tenant-a",), None)))
+    index.apply(BlockStored((3,), 2, tuple(tokens[64:96]), 32, extra_keys=(None,)))
+    index.check_integrity()
+    assert index.prefix_blocks("tenant-a", [*tokens, 7], 32) == 3
+    assert index.prefix_blocks("tenant-a", tokens[:40], 32) == 1
+    assert index.prefix_blocks("tenant-b", tokens, 32) == 0  # same tokens, other tenant
+    assert index.prefix_blocks(None, tokens, 32) == 0
+    assert index.prefix_blocks("tenant-a", [0, *tokens[1:]], 32) == 0
+    index.apply(BlockRemoved((2,), "GPU"))  # block 2 leaves: the chain stops before it
+    index.check_integrity()
+    assert index.prefix_blocks("tenant-a", tokens, 32) == 1
+    unknown_parent = ShadowIndex()
+    unknown_parent.apply(BlockStored((9,), 404, tuple(tokens[:32]), 32, extra_keys=(None,)))
+    assert unknown_parent.prefix_blocks("tenant-a", tokens, 32) == 0

@@ -4,6 +4,12 @@ Non-streaming generations replay the recorded responses of http.jsonl in recorde
 (path, prompt or messages, cache_salt); streams replay the recorded chat SSE lines of
 http_edge_cases.txt; errors reuse the recorded error bodies. Every request is logged, so tests
 can check what the driver really sent.
+
+Unrecorded completions meet a prefix cache like vLLM's (whole prompts keyed by salt and
+data-parallel rank, hits in whole blocks, the last token recomputed). Switches make it
+answer like a vLLM that isolates worse: another `prefix_caching_hash_algo` in
+`vllm:cache_config_info` (or none), no salt validation, or salts accepted but ignored by
+the cache; or cut a stream short (`cut_stream_after`), as a crashing engine would.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ SALT_RULE = (
     "'@', '/', '\\\\', or NUL. (parameter=cache_salt)"
 )
 MODEL = "smollm2"
+RECORDED_HASH_ALGO = 'prefix_caching_hash_algo="sha256_cbor"'
+RECORDED_BLOCK_SIZE = 128
 
 
 def request_key(path: str, body: dict[str, Any]) -> str:
@@ -61,6 +69,12 @@ class Imitation:
     stream_delay_s: float = 0.0
     head_delay_s: float = 0.0
     prompt_details: bool = True
+    hash_algo: str | None = "sha256_cbor"
+    validates_salts: bool = True
+    honours_salts: bool = True
+    version: str = "0.32.0"
+    cut_stream_after: int | None = None
+    cached: set[tuple[str | None, str | None, str]] = field(default_factory=set)
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     recorded: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
@@ -76,12 +90,32 @@ class Imitation:
         return web.json_response(body, status=status)
 
 
-def unrecorded_completion(body: dict[str, Any], prompt_details: bool) -> dict[str, Any]:
-    """A request the run did not record gets the recorded shape with a cold-cache usage."""
+    def metrics_text(self) -> str:
+        text = (INT_RUN / "metrics_after.prom").read_text()
+        assert RECORDED_HASH_ALGO in text
+        if self.hash_algo is None:
+            return "\n".join(line for line in text.splitlines()
+                             if not line.startswith("vllm:cache_config_info"))
+        return text.replace(RECORDED_HASH_ALGO, f'prefix_caching_hash_algo="{self.hash_algo}"')
+
+    def cached_tokens(self, body: dict[str, Any], rank: str | None = None) -> int:
+        """Whole blocks of an earlier identical prompt in the same (honoured) salt, on the
+        same data-parallel rank (each rank has its own cache, as on vLLM)."""
+        prompt = str(body.get("prompt", ""))
+        key = (rank, body.get("cache_salt") if self.honours_salts else None, prompt)
+        hit = key in self.cached
+        self.cached.add(key)
+        tokens = len(prompt.split())
+        return (tokens - 1) // RECORDED_BLOCK_SIZE * RECORDED_BLOCK_SIZE if hit else 0
+
+
+def unrecorded_completion(body: dict[str, Any], prompt_details: bool,
+                          cached: int = 0) -> dict[str, Any]:
+    """A request the run did not record gets the recorded shape with the cache's usage."""
     first = next(r for r in http_records(INT_RUN) if r["path"] == "/v1/completions")
     response = json.loads(json.dumps(first["response"]))
     prompt_tokens = len(str(body.get("prompt", "")).split())
-    details = {"cached_tokens": 0, "created_cache_tokens": None, "multimodal_tokens": None}
+    details = {"cached_tokens": cached, "created_cache_tokens": None, "multimodal_tokens": None}
     response["usage"] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + 1,
@@ -116,9 +150,11 @@ def build_app(state: Imitation) -> web.Application:
         if not isinstance(body, dict):
             return web.Response(status=400, text=BAD_JSON_BODY, content_type="application/json")
         salt = body.get("cache_salt")
-        if salt is not None and (not isinstance(salt, str) or not salt.strip()):
+        if state.validates_salts and salt is not None and (
+                not isinstance(salt, str) or not salt.strip()):
             return state.error(400, SALT_EMPTY, "BadRequestError", "cache_salt")
-        if isinstance(salt, str) and (len(salt) > 128 or any(c in salt for c in "@/\\\0")):
+        if state.validates_salts and isinstance(salt, str) and (
+                len(salt) > 128 or any(c in salt for c in "@/\\\0")):
             return state.error(400, SALT_RULE, "BadRequestError", "cache_salt")
         if body.get("model") != MODEL:
             return web.Response(status=404, text=BAD_MODEL_BODY, content_type="application/json")
@@ -128,7 +164,9 @@ def build_app(state: Imitation) -> web.Application:
         if queue:
             return web.json_response(queue.pop(0)["response"])
         if request.path == "/v1/completions":
-            return web.json_response(unrecorded_completion(body, state.prompt_details))
+            rank = request.headers.get("X-data-parallel-rank")
+            return web.json_response(unrecorded_completion(body, state.prompt_details,
+                                                           state.cached_tokens(body, rank)))
         return state.error(500, "no recorded response", "InternalServerError", None)
 
     async def stream(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
@@ -136,7 +174,11 @@ def build_app(state: Imitation) -> web.Application:
         await response.prepare(request)
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         try:
-            for line in SSE_LINES:
+            for sent, line in enumerate(SSE_LINES):
+                if state.cut_stream_after is not None and sent >= state.cut_stream_after:
+                    assert request.transport is not None
+                    request.transport.close()  # the engine dies mid-stream
+                    return response
                 if '"choices":[]' in line and not include_usage:
                     continue
                 await response.write(f"{line}\n\n".encode())
@@ -169,14 +211,12 @@ def build_app(state: Imitation) -> web.Application:
 
     async def metrics(request: web.Request) -> web.Response:
         await log_request(request)
-        return web.Response(
-            text=(INT_RUN / "metrics_after.prom").read_text(), content_type="text/plain"
-        )
+        return web.Response(text=state.metrics_text(), content_type="text/plain")
 
     async def simple(request: web.Request) -> web.Response:
         await log_request(request)
         if request.path == "/version":
-            return web.json_response({"version": "0.32.0"})
+            return web.json_response({"version": state.version})
         return web.Response(status=200)
 
     async def reset(request: web.Request) -> web.Response:
@@ -203,10 +243,10 @@ def build_app(state: Imitation) -> web.Application:
     return app
 
 
-async def start_imitation(state: Imitation) -> tuple[web.AppRunner, str]:
+async def start_imitation(state: Imitation, port: int = 0) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(build_app(state))
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     return runner, f"http://127.0.0.1:{port}"

@@ -4,7 +4,8 @@ It runs `python -m native_engine.serve.server` from this checkout with the same 
 32 tokens), `max_model_len`, prompt-token details, priority scheduling, dev mode and KV
 events (PUB bound on `tcp://*:P`, so subscribers connect; ROUTER replay on loopback), so the
 adapter's integration suite can run against both engines unchanged. The object has the
-attribute names of `VllmServer`.
+attribute names of `VllmServer`. A fleet's replicas add `--data-parallel-size N` (ranks on
+the KV ports + r) and `--api-key`, and can be restarted on the same ports.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +41,9 @@ class NativeServerConfig:
     kv_topic: str = "kv"
     startup_timeout_s: float = 300.0
     cache_control_token: str | None = "fak-test-cache-control-token"
+    data_parallel_size: int = 1
+    api_key: str | None = None
+    ports: tuple[int, int, int] | None = None  # http, kv, replay (None: free ones)
 
     def __post_init__(self) -> None:
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -63,6 +68,12 @@ class NativeServer:
     hf_source: str = "embedded-gguf"
     startup_s: float = 0.0
     cache_control_token: str | None = None
+    config: NativeServerConfig | None = None
+
+    @property
+    def ports(self) -> tuple[int, int, int]:
+        return (_port_of(self.base_url), _port_of(self.kv_endpoint),
+                _port_of(self.replay_endpoint))
 
     @property
     def pid(self) -> int:
@@ -102,17 +113,22 @@ def server_command(config: NativeServerConfig, http_port: int, kv_port: int,
         "--dev-mode",
         *(["--enable-cache-control"] if config.cache_control_token else []),
         *budget,
+        "--data-parallel-size", str(config.data_parallel_size),
     ]  # fmt: skip
 
 
 def start_native_server(config: NativeServerConfig) -> NativeServer:
     """Start and wait for `/health`; the caller must `stop_native_server`."""
-    http_port, kv_port, replay_port = _free_ports(3)
+    http_port, kv_port, replay_port = config.ports or (
+        _free_ports(1)[0], *_free_runs(2, config.data_parallel_size))
     log_dir = config.cache_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"native-server-{os.getpid()}-{http_port}.log"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     env.pop("VLLM_SERVER_DEV_MODE", None)
+    env.pop("VLLM_API_KEY", None)
+    if config.api_key:
+        env["VLLM_API_KEY"] = config.api_key  # read by --api-key's default, kept off argv
     if config.cache_control_token:
         env["FAK_CACHE_CONTROL_TOKEN"] = config.cache_control_token
     started = time.monotonic()
@@ -126,7 +142,7 @@ def start_native_server(config: NativeServerConfig) -> NativeServer:
         kv_endpoint=f"tcp://127.0.0.1:{kv_port}", kv_endpoint_mode="connect",
         kv_topic=config.kv_topic, replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
         block_size=config.block_size, num_blocks=config.num_blocks, log_path=log_path,
-        process=proc, cache_control_token=config.cache_control_token)
+        process=proc, cache_control_token=config.cache_control_token, config=config)
     try:
         _wait_healthy(server, config.startup_timeout_s)
     except BaseException:
@@ -161,3 +177,23 @@ def _wait_healthy(server: NativeServer, timeout_s: float) -> None:
             time.sleep(0.5)
     raise NativeServerError(f"native server not healthy after {timeout_s:.0f} s:\n"
                             f"{server.log_tail()}")
+
+
+def _free_runs(count: int, width: int) -> list[int]:
+    """`count` base ports, each with `width` consecutive free ports (one per DP rank)."""
+    bases: list[int] = []
+    while len(bases) < count:
+        (base,) = _free_ports(1)
+        taken = {p for b in bases for p in range(b, b + width)}
+        if all(_port_free(p) and p not in taken for p in range(base, base + width)):
+            bases.append(base)
+    return bases
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -59,6 +59,11 @@ def test_capabilities_probed_from_the_surfaces(stack: Stack) -> None:
     assert caps.cache_salt and caps.cached_tokens_in_usage and caps.kv_events and caps.kv_replay
     assert caps.prefix_reset and not caps.exact_span_evict
     assert caps.block_size == stack.block
+    # SEC-16: isolation facts probed, not assumed
+    assert caps.prefix_caching_hash_algo == "sha256_cbor" and caps.engine_version
+    assert {"cache_salt", "cached_tokens_in_usage", "prefix_caching_hash_algo"} <= set(
+        caps.probed)
+    assert any("a fresh salt 0" in note for note in caps.notes)
 
 
 def test_sec3_no_unsalted_block_reaches_the_engine(stack: Stack) -> None:
@@ -85,5 +90,6 @@ def test_sec3_no_unsalted_block_reaches_the_engine(stack: Stack) -> None:
         time.sleep(0.2)
     assert all(index.resident(s) for s in salts.values())
     assert index.resident(None) <= unsalted_before
-    governed = {ns for ns in index.namespaces() if ns in every_salt(stack.gov)}
+    digests = {index.namespace_id(s): s for s in every_salt(stack.gov)}
+    governed = {digests[ns] for ns in index.namespaces() if ns in digests}
     assert set(salts.values()) <= governed

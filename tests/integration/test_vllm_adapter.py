@@ -67,6 +67,16 @@ async def test_driver_subscriber_metrics_and_reset(engine_server: EngineServer) 
         caps = driver.capabilities
         assert (caps.model_id, caps.block_size) == (engine_server.model, engine_server.block_size)
         assert caps.kv_events and caps.kv_replay and caps.prefix_reset and not caps.exact_span_evict
+        # SEC-16 on the real server: hash, salt validation and both cache controls probed
+        assert caps.prefix_caching_hash_algo == "sha256_cbor"
+        assert caps.num_blocks == engine_server.num_blocks
+        assert kv.index().capacity == engine_server.num_blocks
+        if isinstance(engine_server, VllmServer):
+            assert caps.engine_version == "0.32.0"
+        assert {"cache_salt", "cached_tokens_in_usage", "num_blocks"} <= set(caps.probed)
+        assert any(n.startswith("cache_salt: the invalid salt 'a/b' was refused (400")
+                   for n in caps.notes), caps.notes
+        assert any("a fresh salt 0" in n for n in caps.notes), caps.notes
 
         prompt, salt_a, salt_b = (
             letters(200),

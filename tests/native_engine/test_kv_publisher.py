@@ -32,9 +32,10 @@ from native_engine.kvcache.block_hash import (
 from native_engine.kvcache.block_pool import BlockPool
 from native_engine.kvcache.events import KVEventRecorder, NullEventPublisher
 from native_engine.kvcache.radix_cache import RadixCache
-from native_engine.serve.kv_config import KVEventsConfig, endpoint_binds, offset_endpoint_port
+from native_engine.serve.kv_config import KVEventsConfig, endpoint_binds
 from native_engine.serve.kv_publisher import ZmqEventPublisher, make_publisher
 from native_engine.serve.kv_wire import END_SEQ, encode_batch, encode_event
+from policies.kv_sockets import offset_endpoint_port
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
@@ -613,7 +614,7 @@ def test_engine_steps_publish_what_its_cache_does(ctx: zmq.Context) -> None:
         assert engine.cache is not None and pub.replay_address is not None
         index = index_from_replay(ctx, pub.replay_address, pub.next_seq)
         assert index.all_blocks() == {fold_hash(d) for d in expected_digests(engine.cache)}
-        assert set(index.namespaces()) == {"tenant-a", "tenant-b"}
+        assert set(index.namespaces()) == {index.namespace_id(s) for s in ("tenant-a", "tenant-b")}
         assert engine.reset_prefix_cache()
         engine.add_request(stem, SamplingParams(temperature=0, max_tokens=2, namespace="c"))
         while engine.has_unfinished():
@@ -621,7 +622,7 @@ def test_engine_steps_publish_what_its_cache_does(ctx: zmq.Context) -> None:
             rec.flush()
         index = index_from_replay(ctx, pub.replay_address, pub.next_seq)
         assert index.all_blocks() == {fold_hash(d) for d in expected_digests(engine.cache)}
-        assert set(index.namespaces()) == {"c"}
+        assert set(index.namespaces()) == {index.namespace_id("c")}
         assert rec.unknown_parents == rec.unknown_removals == 0
         rec.check_integrity()
         pub.check_integrity()

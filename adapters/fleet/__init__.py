@@ -1,0 +1,1 @@
+"""A fleet of vLLM-compatible upstreams behind one EngineDriver (docs/design.md §7)."""

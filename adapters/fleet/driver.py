@@ -1,0 +1,309 @@
+"""`FleetDriver`: several vLLM-compatible upstreams (each with data-parallel ranks) behind the
+one EngineDriver protocol, so the governor does not change shape (docs/design.md §7).
+
+- Routing: per request the members (upstream, rank) that are up are ordered by
+  policies.routing — for `kv_aware` from each rank's shadow index, matched in the request's
+  own namespace (its salt's chain), and the rank's load. The request goes to the first.
+- Failover before the first byte: a refused connection or a 5xx before any chunk was
+  yielded is retried once on the next-best member (another upstream when the connection was
+  lost, which also marks the upstream down). After the first chunk a failure is raised as
+  is: the governor turns it into one SSE error event.
+- Health: one watcher per upstream (adapters/fleet/health.py); an upstream gets traffic only
+  while up, and it is up only after a probe passed since it was last seen down or restarted.
+- Cache control is per member (`cache_members()`): a quarantine runs on each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.driver import CacheMember
+from adapters.prompt_tokens import PromptTokens
+from adapters.vllm.cache_control import VLLMCacheControl
+from adapters.vllm.capabilities import CapabilityRefusedError, UpstreamUnreachable
+from adapters.vllm.kv_subscriber import SyncState
+from adapters.vllm.shadow_index import prompt_chain
+from policies.routing import (
+    Candidate,
+    RoutingPolicy,
+    RoutingWeights,
+    predicted_cached_tokens,
+    rank_order,
+)
+from schemas.cache_control import (
+    CacheControlUnsupported,
+    KVMark,
+    KVRemoval,
+    ResetResult,
+    SpanEviction,
+    SpanSpec,
+)
+from schemas.engine import EngineCapabilities, EngineError, EngineRequest, StreamChunk, Usage
+from schemas.openai import Route
+
+from .capabilities import fleet_capabilities
+from .health import HealthConfig, HealthWatch
+from .state import Member, Upstream, connection_lost, retryable
+
+DECISION_WINDOW = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    policy: RoutingPolicy = RoutingPolicy.KV_AWARE
+    weights: RoutingWeights = field(default_factory=RoutingWeights)
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Members best first, and the cached tokens each would be predicted to report (by
+    member name; none without the prompt's tokens)."""
+
+    order: tuple[Member, ...]
+    predicted: dict[str, int]
+    prompt_tokens: int | None
+
+
+class FleetCacheControl:
+    """A fleet is controlled member by member (`FleetDriver.cache_members`)."""
+
+    async def evict_span(self, namespace: str, span: SpanSpec, start: int) -> SpanEviction:
+        raise CacheControlUnsupported("exact-span eviction is not offered across a fleet")
+
+    async def reset_prefix_cache(self) -> ResetResult:
+        raise CacheControlUnsupported("a fleet resets member by member")
+
+    async def kv_mark(self, settle_s: float) -> KVMark | None:
+        return None
+
+    async def kv_removal(self, mark: KVMark, done: Any, timeout_s: float) -> KVRemoval:
+        raise CacheControlUnsupported("a fleet's KV evidence is per member")
+
+    async def probe(self, tenant: str, salt: str, route: Route, body: dict[str, Any],
+                    timeout_s: float) -> Usage | None:
+        raise CacheControlUnsupported("a fleet probes member by member")
+
+
+class FleetDriver:
+    def __init__(self, upstreams: Sequence[Upstream], config: FleetConfig | None = None,
+                 tokens: PromptTokens | None = None) -> None:
+        if not upstreams:
+            raise ValueError("a fleet needs at least one upstream")
+        self.upstreams = tuple(upstreams)
+        self.config = config or FleetConfig()
+        self.tokens = tokens or PromptTokens()
+        self.members = tuple(m for u in self.upstreams for m in u.members)
+        self.capabilities = EngineCapabilities(engine_kind="vllm", model_id="",
+                                               notes=("not probed",))
+        self.cache_control = FleetCacheControl()
+        self.decision_seconds: deque[float] = deque(maxlen=DECISION_WINDOW)
+        self.tokenize_seconds: deque[float] = deque(maxlen=DECISION_WINDOW)
+        self._turn = 0
+        self._health: HealthWatch | None = None
+
+    # --- life -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Probe every upstream; one whose isolation fails refuses start-up, one that cannot
+        be reached is down (probed again before it gets traffic); none up refuses too."""
+        now = time.monotonic()
+        probed = {}
+        for upstream, outcome in zip(self.upstreams, await asyncio.gather(
+                *(u.driver.start() for u in self.upstreams), return_exceptions=True),
+                strict=True):
+            if isinstance(outcome, UpstreamUnreachable):
+                upstream.mark_down(now, str(outcome))
+            elif isinstance(outcome, BaseException):
+                await self.close()
+                if isinstance(outcome, CapabilityRefusedError):
+                    raise CapabilityRefusedError(f"upstream {upstream.name}: {outcome}")
+                raise outcome
+            else:
+                upstream.mark_up(now)
+                probed[upstream.name] = upstream.driver.capabilities
+        if not probed:
+            await self.close()
+            reasons = "; ".join(f"{u.name}: {u.refusal}" for u in self.upstreams)
+            raise CapabilityRefusedError(f"no upstream could be probed ({reasons})")
+        self.capabilities = fleet_capabilities(probed)
+        self._health = HealthWatch(self.upstreams, self.capabilities, self.config.health)
+        self._health.start()
+
+    async def close(self) -> None:
+        if self._health is not None:
+            await self._health.stop()
+            self._health = None
+        for upstream in self.upstreams:
+            await upstream.driver.close()
+
+    async def ready(self) -> bool:
+        return any(u.up for u in self.upstreams)
+
+    async def alive(self) -> bool:
+        return True  # remote engines being down is readiness, not this process's life
+
+    async def models(self) -> dict[str, Any]:
+        for upstream in self.upstreams:
+            if upstream.up:
+                return await upstream.driver.models()
+        raise EngineError(503, "no upstream is up", type="ServiceUnavailable")
+
+    async def serving_metrics(self) -> dict[str, float | None]:
+        """Counters and gauges summed over the upstreams that answered; latency quantiles
+        do not add up, so they are None here (per-upstream values are on each engine)."""
+        windows = [w for w in await asyncio.gather(
+            *(u.driver.serving_metrics() for u in self.upstreams if u.up),
+            return_exceptions=True) if isinstance(w, dict)]
+        if not windows:
+            raise EngineError(502, "no upstream answered its metrics scrape",
+                              type="UpstreamUnavailableError")
+        total: dict[str, float | None] = {}
+        for key in windows[0]:
+            values = [w[key] for w in windows if w.get(key) is not None]
+            summable = not key.endswith(("_p50", "_p90", "_p99", "_ratio"))
+            total[key] = sum(values) if values and summable else None  # type: ignore[arg-type]
+        if total.get("kv_usage") is not None:
+            total["kv_usage"] = total["kv_usage"] / len(windows)  # type: ignore[operator]
+        queries, hits = total.get("prefix_cache_queries"), total.get("prefix_cache_hits")
+        total["prefix_cache_hit_ratio"] = hits / queries if queries and hits is not None \
+            else None
+        return total
+
+    # --- routing ----------------------------------------------------------------------
+
+    def route(self, request: EngineRequest) -> Decision:
+        """Order the members that are up for this request (policies.routing)."""
+        started = time.perf_counter()
+        policy = self.config.policy
+        tokens = self.tokens.of(request) if policy is RoutingPolicy.KV_AWARE else None
+        self.tokenize_seconds.append(time.perf_counter() - started)
+        candidates, predicted = [], {}
+        chains: dict[tuple[str | None, int], list[bytes]] = {}
+        for index, member in enumerate(self.members):
+            if not member.upstream.up:
+                continue
+            block_size = member.upstream.driver.capabilities.block_size or 1
+            overlap, synced = self._overlap(member, request.cache_salt, tokens, block_size,
+                                            chains)
+            candidates.append(Candidate(index, block_size, overlap, synced, member.in_flight,
+                                        member.engine_load))
+            if tokens is not None:
+                predicted[index] = predicted_cached_tokens(
+                    len(tokens), overlap if synced else 0, block_size)
+        order = rank_order(policy, candidates, len(tokens or ()), self.config.weights,
+                           self._turn, len(self.members))
+        self._turn += 1
+        self.decision_seconds.append(time.perf_counter() - started)
+        return Decision(tuple(self.members[i] for i in order),
+                        {self.members[i].name: p for i, p in predicted.items()},
+                        None if tokens is None else len(tokens))
+
+    @staticmethod
+    def _overlap(member: Member, salt: str | None, tokens: list[int] | None, block_size: int,
+                 chains: dict[tuple[str | None, int], list[bytes]]) -> tuple[int, bool]:
+        kv = member.upstream.driver.kv
+        if kv is None or not tokens:
+            return 0, False
+        index = kv.index(member.rank)
+        namespace = index.namespace_id(salt)
+        chain = chains.get((namespace, block_size))
+        if chain is None:
+            chain = chains[(namespace, block_size)] = prompt_chain(namespace, tokens, block_size)
+        return index.matched_blocks(chain), kv.state(member.rank) is SyncState.SYNCED
+
+    def routing_view(self) -> dict[str, Any]:
+        """The policy, and the median cost of the last routing decisions (whole, and the
+        part spent tokenising the prompt)."""
+        window, tokenize = list(self.decision_seconds), list(self.tokenize_seconds)
+        return {"policy": self.config.policy.value, "decisions": len(window),
+                "decision_p50_ms": statistics.median(window) * 1000 if window else None,
+                "tokenize_p50_ms": statistics.median(tokenize) * 1000 if tokenize else None}
+
+    # --- generation -------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+        decision = self.route(request)
+        if not decision.order:
+            raise EngineError(503, "no upstream is up", type="ServiceUnavailable")
+        member = decision.order[0]
+        try:
+            chunks, first = await self._open(member, request)
+        except EngineError as exc:
+            fallback = self._fallback(decision, member, exc)
+            if fallback is None:
+                raise
+            member.failovers += 1
+            member = fallback
+            chunks, first = await self._open(member, request)
+        usage = first.usage
+        try:
+            yield first
+            async for chunk in chunks:
+                usage = chunk.usage or usage
+                yield chunk
+        finally:
+            member.in_flight -= 1
+            await chunks.aclose()
+            if member.name in decision.predicted:
+                member.record_prediction(decision.predicted[member.name],
+                                         None if usage is None else usage.cached_tokens)
+
+    async def _open(self, member: Member, request: EngineRequest
+                    ) -> tuple[AsyncGenerator[StreamChunk, None], StreamChunk]:
+        """Start the request on `member` and wait for its first chunk."""
+        member.in_flight += 1
+        member.decisions += 1
+        member.last_routed_at = time.monotonic()
+        chunks = member.upstream.driver.generate(request, dp_rank=member.rank_header)
+        assert isinstance(chunks, AsyncGenerator)
+        try:
+            first = await anext(chunks)
+        except BaseException as exc:
+            member.in_flight -= 1
+            with contextlib.suppress(Exception):
+                await chunks.aclose()
+            if isinstance(exc, EngineError) and connection_lost(exc):
+                member.upstream.mark_down(time.monotonic(), exc.message)
+            if isinstance(exc, StopAsyncIteration):
+                raise EngineError(502, "the upstream answered nothing",
+                                  type="UpstreamUnavailableError") from None
+            raise
+        return chunks, first
+
+    @staticmethod
+    def _fallback(decision: Decision, failed: Member, exc: EngineError) -> Member | None:
+        """The next-best member for the one retry: on another upstream if the connection
+        was lost (its other ranks are gone too)."""
+        if not retryable(exc):
+            return None
+        for member in decision.order[1:]:
+            if member.upstream.up and not (connection_lost(exc)
+                                           and member.upstream is failed.upstream):
+                return member
+        return None
+
+    # --- views ------------------------------------------------------------------------
+
+    def cache_members(self) -> tuple[CacheMember, ...]:
+        return tuple(
+            CacheMember(m.name, m.upstream.up, m.upstream.driver.capabilities,
+                        VLLMCacheControl(m.upstream.driver, m.rank_header))
+            for m in self.members)
+
+    def upstream_views(self) -> list[dict[str, Any]]:
+        return [u.view() for u in self.upstreams]
+
+    def upstream(self, name: str) -> Upstream:
+        return next(u for u in self.upstreams if u.name == name)
+
+    def check_integrity(self) -> None:
+        for upstream in self.upstreams:
+            upstream.check_integrity()

@@ -1,0 +1,48 @@
+"""A request's prompt tokens as the engines will see them, for KV-aware routing.
+
+The same rendering the native server uses (native_engine.model.prompt): chat messages
+through the model's chat template with the generation prompt, text through its tokenizer,
+token ids as given. vLLM tokenises the same way for a model it serves from the same
+tokenizer files, which the operator names (`[engine.routing] tokenizer`). Without a
+tokenizer only token-id prompts can be matched against the shadow indexes.
+"""
+
+from __future__ import annotations
+
+from native_engine.model.chat_template import ChatTemplate
+from native_engine.model.prompt import PromptInvalid, prompt_token_ids
+from native_engine.model.tokenizer import TextTokenizer
+from schemas.engine import EngineRequest
+from schemas.openai import ChatRequest
+
+EMBEDDED = "embedded"
+
+
+class PromptTokens:
+    """Token ids of a request's prompt, or None when they cannot be known here."""
+
+    def __init__(self, tokenizer: TextTokenizer | None = None,
+                 template: ChatTemplate | None = None) -> None:
+        self.tokenizer, self.template = tokenizer, template
+
+    @classmethod
+    def load(cls, source: str | None) -> PromptTokens:
+        """`"embedded"` (the embedded SmolLM2), a `.gguf` file or an HF directory; None:
+        no tokenizer (token-id prompts only)."""
+        if source is None:
+            return cls()
+        from native_engine.model.weights import load_tokenizer
+
+        return cls(*load_tokenizer(None if source == EMBEDDED else source))
+
+    def of(self, request: EngineRequest) -> list[int] | None:
+        body = request.body
+        if self.tokenizer is None:
+            prompt = None if isinstance(body, ChatRequest) else body.prompt
+            ids = [t for t in prompt or () if isinstance(t, int) and not isinstance(t, bool)
+                   and t >= 0] if isinstance(prompt, list) else []
+            return ids if ids and len(ids) == len(prompt or ()) else None
+        try:
+            return prompt_token_ids(body, self.tokenizer, self.template)
+        except PromptInvalid:
+            return None  # the engine will answer the 400

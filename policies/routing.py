@@ -1,0 +1,100 @@
+"""Which (upstream, rank) serves a request (docs/design.md §7, docs/operations.md §7).
+
+Pure: the caller measures, this decides. For each rank that is up:
+
+- `overlap` = leading full blocks of the prompt the rank's shadow index holds **in the
+  request's own namespace** (the salted chain, so another tenant's blocks never count);
+  0 when the rank's index is not SYNCED (UNCERTAIN or STALE earn no credit);
+- `load` = max(requests the governor has in flight there, running + waiting from the rank's
+  metrics) — the governor's count is current, the scrape also sees other clients;
+
+    kv_aware:     cost = overlap_weight × (⌈prompt_tokens / block_size⌉ − overlap)
+                         + load_weight × load
+    least_loaded: cost = load
+    round_robin:  cost = 0
+
+lowest cost first; ties go to the lower load, then round-robin from the request's turn (so
+equal ranks share the work). This is Dynamo's KV-router cost (prefill blocks to compute
+plus the worker's load, each weighted) with llm-d's prefix scorer restricted to the
+tenant's namespace. The first rank serves; the second is the one failover retry.
+
+`predicted_cached_tokens` is what the engine should report: whole matched blocks, capped
+at the prompt less its last token (vLLM always recomputes the last prompt token).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class RoutingPolicy(enum.StrEnum):
+    KV_AWARE = "kv_aware"
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingWeights:
+    overlap_weight: float = 1.0
+    load_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_weight", "load_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    0 <= value < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One rank that is up. `member` is the caller's index of it (0..members-1)."""
+
+    member: int
+    block_size: int
+    overlap_blocks: int
+    index_synced: bool
+    in_flight: int
+    engine_load: float | None = None
+
+    @property
+    def load(self) -> float:
+        return max(float(self.in_flight), self.engine_load or 0.0)
+
+    @property
+    def credited_blocks(self) -> int:
+        return self.overlap_blocks if self.index_synced else 0
+
+
+def predicted_cached_tokens(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
+    if prompt_tokens <= 1 or block_size < 1:
+        return 0
+    return min(overlap_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+def kv_cost(candidate: Candidate, prompt_tokens: int, weights: RoutingWeights) -> float:
+    blocks = math.ceil(prompt_tokens / candidate.block_size) if prompt_tokens > 0 else 0
+    prefill = max(0, blocks - candidate.credited_blocks)
+    return weights.overlap_weight * prefill + weights.load_weight * candidate.load
+
+
+def rank_order(policy: RoutingPolicy, candidates: Sequence[Candidate], prompt_tokens: int,
+               weights: RoutingWeights, turn: int, members: int) -> tuple[int, ...]:
+    """Members best first. `turn` counts requests (round-robin position); `members` is
+    how many ranks exist, up or not, so the rotation is stable while ranks go and come."""
+    span = max(members, 1)
+
+    def rotation(c: Candidate) -> int:
+        return (c.member - turn) % span
+
+    if policy is RoutingPolicy.ROUND_ROBIN:
+        ordered = sorted(candidates, key=rotation)
+    elif policy is RoutingPolicy.LEAST_LOADED:
+        ordered = sorted(candidates, key=lambda c: (c.load, rotation(c)))
+    else:
+        ordered = sorted(candidates, key=lambda c: (kv_cost(c, prompt_tokens, weights), c.load,
+                                                    rotation(c)))
+    return tuple(c.member for c in ordered)

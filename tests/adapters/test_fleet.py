@@ -1,0 +1,202 @@
+"""FleetDriver over real loopback servers answering like vLLM 0.32 (tests/adapters/
+vllm_imitation.py) and real ZeroMQ KV streams: routing by policy, KV-aware overlap only in
+the request's own namespace and only from a SYNCED index, failover before the first byte,
+an error after it, start-up refusals, and re-probing before a returning upstream gets
+traffic."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+
+from adapters.fleet.driver import FleetConfig, FleetDriver
+from adapters.fleet.health import HealthConfig
+from adapters.fleet.state import Upstream
+from adapters.vllm.capabilities import CapabilityRefusedError, VLLMDeclarations
+from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
+from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
+from policies.routing import RoutingPolicy
+from schemas.engine import EngineError, EngineRequest
+from tests.adapters.test_vllm_kv_subscriber import FakeVLLMSockets, batch_frames, free_port
+from tests.adapters.vllm_imitation import Imitation, start_imitation
+
+FAST = HealthConfig(interval_s=0.05, backoff_max_s=0.2)
+BLOCK = 128  # the recorded server's block size
+
+
+def upstream(name: str, base_url: str, kv: KVEventSubscriber | None = None) -> Upstream:
+    driver = VLLMDriver(VLLMHTTPConfig(base_url, reprobe_interval_s=0.0),
+                        VLLMDeclarations(prompt_tokens_details=True), kv=kv)
+    return Upstream(name, driver)
+
+
+def completion(prompt: object, salt: str = "fak1-t", stream: bool = False) -> EngineRequest:
+    body = {"prompt": prompt, "max_tokens": 1, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return EngineRequest.of("r", "completions", body, "t", salt)
+
+
+async def drain(fleet: FleetDriver, request: EngineRequest) -> list:
+    return [c async for c in fleet.generate(request)]
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list]:
+    started = []
+
+    async def start(state: Imitation, port: int = 0):
+        runner, url = await start_imitation(state, port)
+        started.append(runner)
+        return runner, url
+
+    yield start  # type: ignore[misc]
+    for runner in started:
+        await runner.cleanup()
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_round_robin_then_failover_before_the_first_byte(servers) -> None:
+    (runner_a, url_a), (_, url_b) = await servers(Imitation()), await servers(Imitation())
+    fleet = FleetDriver([upstream("a", url_a), upstream("b", url_b)],
+                        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=FAST))
+    await fleet.start()
+    try:
+        for i in range(4):
+            assert await drain(fleet, completion(f"hello {i}"))
+        assert [m.decisions for m in fleet.members] == [2, 2]
+        await runner_a.cleanup()  # upstream a goes away
+        for i in range(4):  # none is lost: a refused connection goes to b before any byte
+            assert await drain(fleet, completion(f"again {i}"))
+        a, b = fleet.members
+        assert a.failovers == 1 and not fleet.upstream("a").up
+        assert b.decisions == 6 and a.in_flight == b.in_flight == 0
+        fleet.check_integrity()
+    finally:
+        await fleet.close()
+
+
+async def test_a_failure_after_the_first_byte_is_raised_not_retried(servers) -> None:
+    (_, url_a), (_, url_b) = (await servers(Imitation(cut_stream_after=2)),
+                              await servers(Imitation()))
+    fleet = FleetDriver([upstream("a", url_a), upstream("b", url_b)],
+                        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=FAST))
+    await fleet.start()
+    try:
+        chunks = []
+        with pytest.raises(EngineError) as cut:
+            async for chunk in fleet.generate(completion("x", stream=True)):
+                chunks.append(chunk)
+        assert chunks and cut.value.status == 502  # the governor sends it as an SSE error
+        assert sum(m.failovers for m in fleet.members) == 0
+    finally:
+        await fleet.close()
+
+
+async def test_start_up_refuses_an_upstream_that_does_not_isolate(servers) -> None:
+    (_, url_a), (_, url_b) = (await servers(Imitation()),
+                              await servers(Imitation(hash_algo="xxhash")))
+    fleet = FleetDriver([upstream("a", url_a), upstream("b", url_b)], FleetConfig(health=FAST))
+    with pytest.raises(CapabilityRefusedError, match=r"upstream b: .*xxhash"):
+        await fleet.start()
+
+
+async def test_returning_upstreams_are_reprobed_before_traffic(servers) -> None:
+    """a is down at start; it comes up hashing with xxhash (refused: no traffic), then as a
+    proper server (probed, then routed to); then it restarts as a new version."""
+    port_a = free_port()
+    _, url_b = await servers(Imitation())
+    fleet = FleetDriver([upstream("a", f"http://127.0.0.1:{port_a}"), upstream("b", url_b)],
+                        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=FAST))
+    await fleet.start()
+    a = fleet.upstream("a")
+    try:
+        assert not a.up and fleet.upstream("b").up
+        weak_runner, _ = await servers(Imitation(hash_algo="xxhash"), port_a)
+        await wait_for(lambda: a.driver.probes >= 2 and a.refusal and "xxhash" in a.refusal)
+        for i in range(3):
+            assert await drain(fleet, completion(f"p{i}"))
+        assert a.members[0].decisions == 0 and not a.up
+        await weak_runner.cleanup()
+        good = Imitation()
+        good_runner, _ = await servers(good, port_a)
+        await wait_for(lambda: a.up)
+        probed_at = a.probed_at
+        assert probed_at is not None and probed_at >= a.down_since
+        for i in range(4):
+            assert await drain(fleet, completion(f"q{i}"))
+        assert a.members[0].decisions >= 1 and a.members[0].last_routed_at > probed_at
+        probes = a.driver.probes
+        await good_runner.cleanup()
+        await servers(Imitation(version="0.32.1"), port_a)
+        await wait_for(lambda: a.driver.probes > probes and a.up)
+        assert a.driver.capabilities.engine_version == "0.32.1"
+        fleet.check_integrity()
+    finally:
+        await fleet.close()
+
+
+@pytest.fixture
+async def kv_fleet(servers) -> AsyncIterator[tuple[FleetDriver, list[FakeVLLMSockets]]]:
+    """Two upstreams whose shadow indexes follow real PUB sockets."""
+    ctx = zmq.asyncio.Context()
+    engines, ups = [], []
+    for name in ("a", "b"):
+        port = free_port()
+        engine = FakeVLLMSockets(ctx, port)
+        kv = KVEventSubscriber(KVSubscriberConfig(
+            endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://*:{engine.replay_port}",
+            topic="kv"), namespace_key=b"n" * 32)
+        engines.append(engine)
+        ups.append(upstream(name, (await servers(Imitation()))[1], kv))
+    fleet = FleetDriver(ups, FleetConfig(RoutingPolicy.KV_AWARE, health=FAST))
+    await fleet.start()
+    await asyncio.sleep(0.3)
+    yield fleet, engines
+    await fleet.close()
+    for engine in engines:
+        await engine.close()
+    ctx.destroy(linger=0)
+
+
+def stored_chain(tokens: list[int], salt: str, first_hash: int) -> dict:
+    blocks = len(tokens) // BLOCK
+    return {"type": "BlockStored", "block_hashes": [first_hash + i for i in range(blocks)],
+            "parent_block_hash": None, "token_ids": tokens[:blocks * BLOCK],
+            "block_size": BLOCK, "medium": "GPU",
+            "extra_keys": [[salt], *([None] * (blocks - 1))]}
+
+
+@pytest.mark.slow
+async def test_kv_aware_credits_only_the_requests_namespace_and_synced_ranks(kv_fleet) -> None:
+    fleet, (_, engine_b) = kv_fleet
+    prompt = list(range(1000, 1000 + 3 * BLOCK + 5))
+    await engine_b.publish(batch_frames(0, [stored_chain(prompt, "fak1-alice", 500)]))
+    b = fleet.upstream("b").driver.kv
+    await wait_for(lambda: b is not None and len(b.index()) == 3)
+    first = fleet.route(completion(prompt, salt="fak1-alice"))
+    assert [m.name for m in first.order] == ["b/0", "a/0"]
+    assert first.predicted["b/0"] == 3 * BLOCK
+    # Another tenant's identical prompt earns nothing from alice's blocks.
+    for turn in range(4):
+        other = fleet.route(completion(prompt, salt="fak1-mallory"))
+        assert all(p == 0 for p in other.predicted.values()), turn
+    assert {fleet.route(completion(prompt, salt="fak1-mallory")).order[0].name
+            for _ in range(4)} == {"a/0", "b/0"}  # ties rotate
+    # A gap makes b's index UNCERTAIN: no credit until it is whole again.
+    engine_b.mute = True  # the replay of 1..4 never comes
+    await engine_b.publish(batch_frames(5, [stored_chain(prompt, "fak1-x", 900)]),
+                           buffer=False)
+    await wait_for(lambda: b.state().value == "uncertain")
+    assert all(p == 0 for p in fleet.route(completion(prompt, salt="fak1-alice"))
+               .predicted.values())

@@ -1,0 +1,147 @@
+"""A governor over a fleet of two loopback servers answering like vLLM 0.32 (tests/adapters/
+vllm_imitation.py), built from a `[[engine.upstreams]]` config: the upstreams' API keys
+reach them (and never the config), `/admin/v1/upstreams` and the per-upstream metrics, and
+a fleet quarantine (salt rotation) that is VERIFIED with every member's facts and
+UNVERIFIED, naming the member, when one upstream is down."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from governor.auth import sha256_hex
+from governor.config import ConfigError, parse_config
+from governor.secrets import StartupRefused
+from governor.serve import build_driver, build_governor, governor_salt_key
+from governor.state import Governor
+from tests.adapters.vllm_imitation import Imitation, start_imitation
+from tests.governor.server_thread import ServerThread
+
+ADMIN = "fleet-admin-token"
+KEY = "fleet-acme-key"
+
+
+@dataclass
+class Stack:
+    thread: ServerThread
+    gov: Governor
+    url: str
+    states: dict[str, Imitation]
+    runners: dict[str, object]
+
+
+def fleet_config(tmp: Path, urls: dict[str, str]) -> dict:
+    return {
+        "server": {"data_dir": str(tmp / "data"), "admin_token_sha256": sha256_hex(ADMIN)},
+        "engine": {"kind": "vllm", "routing": {"policy": "round_robin",
+                                               "health_interval_s": 0.05,
+                                               "backoff_max_s": 0.2},
+                   "upstreams": [
+                       {"name": "a", "base_url": urls["a"], "api_key_env": "FAK_TEST_KEY_A",
+                        "declare": {"prompt_tokens_details": True}},
+                       {"name": "b", "base_url": urls["b"],
+                        "api_key_file": str(tmp / "b.key"), "data_parallel_size": 2,
+                        "declare": {"prompt_tokens_details": True}}]},
+        "tenants": [{"id": "acme", "api_key_sha256": [sha256_hex(KEY)]}]}
+
+
+@pytest.fixture
+def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
+    thread = ServerThread()
+    states = {"a": Imitation(), "b": Imitation()}
+    started = {n: thread.run(start_imitation(s)) for n, s in states.items()}
+    monkeypatch.setenv("FAK_TEST_KEY_A", "upstream-a-secret")
+    (tmp_path / "b.key").write_text("upstream-b-secret\n")
+    config = parse_config(fleet_config(tmp_path, {n: u for n, (_, u) in started.items()}))
+    driver = build_driver(config, governor_salt_key(config, create_key=True))
+    thread.run(driver.start())
+    gov = build_governor(config, driver, create_key=False)
+    stack = Stack(thread, gov, thread.serve(gov), states, {n: r for n, (r, _) in
+                                                           started.items()})
+    yield stack
+    thread.run(driver.close())
+    for runner in stack.runners.values():
+        thread.run(runner.cleanup())  # type: ignore[attr-defined]
+    thread.stop()
+    gov.audit.close()
+
+
+def test_keys_views_and_metrics(stack: Stack) -> None:
+    for i in range(6):
+        r = httpx.post(f"{stack.url}/v1/completions", timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": f"hello there {i}", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    for name, secret in (("a", "upstream-a-secret"), ("b", "upstream-b-secret")):
+        auth = {h.get("authorization") for _, p, h, _ in stack.states[name].received
+                if p.startswith("/v1/")}
+        assert auth == {f"Bearer {secret}"}, name
+    ranks = [h.get("x-data-parallel-rank") for _, p, h, b in stack.states["b"].received
+             if p == "/v1/completions" and isinstance(b, dict)
+             and str(b.get("prompt", "")).startswith("hello")]
+    assert sorted(set(ranks)) == ["0", "1"]  # b's two ranks, addressed by the header
+    r = httpx.get(f"{stack.url}/admin/v1/upstreams", timeout=10,
+                  headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200
+    body = r.json()
+    assert [u["name"] for u in body["data"]] == ["a", "b"]
+    assert [len(u["ranks"]) for u in body["data"]] == [1, 2]
+    assert body["routing"]["policy"] == "round_robin" and body["routing"]["decisions"] == 6
+    assert "secret" not in r.text
+    assert httpx.get(f"{stack.url}/admin/v1/upstreams", timeout=10).status_code == 401
+    text = httpx.get(stack.thread.metrics_urls[stack.url] + "/metrics", timeout=10).text
+    decisions = {tuple(sorted(s.labels.items())): s.value
+                 for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "fak_routing_decisions_total"}
+    assert decisions == {(("rank", "0"), ("upstream", "a")): 2.0,
+                         (("rank", "0"), ("upstream", "b")): 2.0,
+                         (("rank", "1"), ("upstream", "b")): 2.0}
+
+
+def quarantine(stack: Stack) -> dict:
+    r = httpx.post(f"{stack.url}/admin/v1/quarantine", timeout=60,
+                   headers={"Authorization": f"Bearer {ADMIN}"},
+                   json={"tenant": "acme", "span": {"text": " ".join(["word"] * 300)},
+                         "reason": "fleet-test"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_fleet_rotation_verified_only_with_every_member(stack: Stack) -> None:
+    record = quarantine(stack)
+    assert record["plan"] == "salt_rotation" and record["state"] == "VERIFIED", record
+    for member in ("a/0", "b/0", "b/1"):
+        assert f"member={member}:state=verified" in record["reasons"]
+        assert f"member={member}:control=256" in record["reasons"]
+        assert f"member={member}:after=0" in record["reasons"]
+    stack.thread.run(stack.runners["b"].cleanup())  # type: ignore[attr-defined]
+    upstream = stack.gov.driver.upstream("b")  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while upstream.up and time.monotonic() < deadline:
+        time.sleep(0.05)
+    record = quarantine(stack)
+    assert record["state"] == "UNVERIFIED"
+    assert "member=b/1:state=unverified" in record["reasons"]
+    assert "member=b/0:engine=member_down" in record["reasons"]
+    assert "member=a/0:state=verified" in record["reasons"]
+
+
+def test_missing_upstream_keys_and_bad_fleets_refuse_start_up(tmp_path: Path) -> None:
+    urls = {"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"}
+    config = parse_config(fleet_config(tmp_path, urls))
+    with pytest.raises(StartupRefused, match=r"upstream a: no API key in \$FAK_TEST_KEY_A"):
+        build_driver(config, governor_salt_key(config, create_key=True))
+    raw = fleet_config(tmp_path, urls)
+    raw["engine"]["upstreams"][1]["name"] = "a"
+    with pytest.raises(ConfigError, match="unique"):
+        parse_config(raw)
+    raw = fleet_config(tmp_path, urls)
+    raw["engine"]["upstreams"][0]["api_key"] = "inline-secret"
+    with pytest.raises(ConfigError, match="api_key"):
+        parse_config(raw)

@@ -1,0 +1,85 @@
+"""policies/routing.py: the cost formula, its invariants, and the predicted cached tokens."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies.routing import (
+    Candidate,
+    RoutingPolicy,
+    RoutingWeights,
+    kv_cost,
+    predicted_cached_tokens,
+    rank_order,
+)
+
+W = RoutingWeights()
+
+
+def cand(member: int, overlap: int = 0, synced: bool = True, in_flight: int = 0,
+         load: float | None = None, block: int = 32) -> Candidate:
+    return Candidate(member, block, overlap, synced, in_flight, load)
+
+
+def test_kv_aware_prefers_the_cached_rank_until_its_load_outweighs_the_saving() -> None:
+    prompt = 10 * 32 + 5  # 11 blocks
+    cached, idle = cand(0, overlap=8), cand(1)
+    assert rank_order(RoutingPolicy.KV_AWARE, [cached, idle], prompt, W, 0, 2) == (0, 1)
+    assert kv_cost(cached, prompt, W) == 3 and kv_cost(idle, prompt, W) == 11
+    busy = cand(0, overlap=8, in_flight=9)  # 3 + 9 > 11
+    assert rank_order(RoutingPolicy.KV_AWARE, [busy, idle], prompt, W, 0, 2) == (1, 0)
+    assert rank_order(RoutingPolicy.KV_AWARE, [cand(0, overlap=8, load=9.0), idle], prompt,
+                      W, 0, 2) == (1, 0)  # the scraped load counts too
+
+
+def test_an_unsynced_index_earns_no_overlap_credit() -> None:
+    prompt = 10 * 32 + 5
+    stale = cand(0, overlap=10, synced=False)
+    assert kv_cost(stale, prompt, W) == 11
+    assert rank_order(RoutingPolicy.KV_AWARE, [stale, cand(1, overlap=1)], prompt, W, 0,
+                      2) == (1, 0)
+
+
+def test_round_robin_and_least_loaded() -> None:
+    members = [cand(0), cand(1, in_flight=2), cand(2)]
+    assert [rank_order(RoutingPolicy.ROUND_ROBIN, members, 0, W, t, 3)[0]
+            for t in range(4)] == [0, 1, 2, 0]
+    assert rank_order(RoutingPolicy.LEAST_LOADED, members, 0, W, 1, 3) == (2, 0, 1)
+    # A member that is down is simply absent; the rotation stays stable.
+    assert [rank_order(RoutingPolicy.ROUND_ROBIN, [members[0], members[2]], 0, W, t, 3)[0]
+            for t in range(3)] == [0, 2, 2]
+
+
+def test_predicted_tokens_are_whole_blocks_short_of_the_last_token() -> None:
+    assert predicted_cached_tokens(97, 3, 32) == 96
+    assert predicted_cached_tokens(96, 3, 32) == 64  # the last token is always recomputed
+    assert predicted_cached_tokens(200, 2, 32) == 64
+    assert predicted_cached_tokens(1, 5, 32) == 0
+
+
+def test_weights_are_checked() -> None:
+    with pytest.raises(ValueError, match="overlap_weight"):
+        RoutingWeights(overlap_weight=-1)
+    with pytest.raises(ValueError, match="load_weight"):
+        RoutingWeights(load_weight=float("inf"))
+
+
+candidates = st.lists(st.builds(cand, st.integers(0, 7), st.integers(0, 40), st.booleans(),
+                                st.integers(0, 20)), min_size=1, max_size=8,
+                      unique_by=lambda c: c.member)
+
+
+@given(candidates, st.integers(0, 2000), st.integers(0, 100),
+       st.sampled_from(list(RoutingPolicy)))
+def test_every_policy_orders_exactly_the_candidates(cs, prompt, turn, policy) -> None:
+    order = rank_order(policy, cs, prompt, W, turn, 8)
+    assert sorted(order) == sorted(c.member for c in cs)
+
+
+@given(candidates, st.integers(1, 2000), st.integers(0, 100))
+def test_kv_aware_first_choice_has_the_lowest_cost(cs, prompt, turn) -> None:
+    first = rank_order(RoutingPolicy.KV_AWARE, cs, prompt, W, turn, 8)[0]
+    costs = {c.member: kv_cost(c, prompt, W) for c in cs}
+    assert costs[first] == min(costs.values())
