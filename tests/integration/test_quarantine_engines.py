@@ -10,7 +10,7 @@ import contextlib
 import random
 import string
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -28,11 +28,27 @@ from governor.quarantine.service import QuarantineRequest, QuarantineService, Sp
 from governor.serve import build_governor
 from governor.state import Governor
 
-from .native_server import NativeServer
+from .native_server import (NativeServer, NativeServerConfig, NativeServerError,
+                            start_native_server, stop_native_server)
 from .vllm_server import VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONFIG = QuarantineConfig(drain_timeout_s=2.0, kv_timeout_s=15.0, probe_timeout_s=120.0)
+
+
+@pytest.fixture(scope="module")
+def quarantine_server() -> Iterator[NativeServer]:
+    """A `fak engine serve` of this module's own: the session's shared server may still be
+    finishing another test's abandoned requests, and pool pressure from them would evict the
+    copies these tests assert stay."""
+    try:
+        server = start_native_server(NativeServerConfig(num_blocks=256))
+    except NativeServerError as exc:
+        pytest.fail(f"native server unavailable: {exc}", pytrace=False)
+    try:
+        yield server
+    finally:
+        stop_native_server(server)
 
 
 def letters(count: int) -> str:
@@ -80,13 +96,12 @@ async def cached(gov: Governor, tenant: str, prompt: str) -> int:
 
 
 async def test_exact_span_over_http_is_verified_by_block_removed(
-        native_vllm_server: NativeServer, tmp_path: Path) -> None:
-    server = native_vllm_server
+        quarantine_server: NativeServer, tmp_path: Path) -> None:
+    server = quarantine_server
     driver = driver_for(server, server.cache_control_token)
     async with governed(driver, server.base_url, tmp_path) as (gov, service):
         assert gov.driver.capabilities.exact_span_evict is True
-        # Small spans, the other tenant's copy cached last: the session's pool is small and
-        # shared with other tests, so nothing here should be evicted by pressure alone.
+        # Small spans in a pool of the module's own: nothing here is evicted by pressure.
         poisoned, other = letters(100), letters(100)
         for tenant, prompt in (("acme", other), ("acme", poisoned), ("beta", poisoned)):
             await cached(gov, tenant, prompt)
@@ -106,9 +121,9 @@ async def test_exact_span_over_http_is_verified_by_block_removed(
         assert await cached(gov, "acme", poisoned) == 0
 
 
-async def test_mid_span_cut_over_http_keeps_the_prefix(native_vllm_server: NativeServer,
+async def test_mid_span_cut_over_http_keeps_the_prefix(quarantine_server: NativeServer,
                                                        tmp_path: Path) -> None:
-    server = native_vllm_server
+    server = quarantine_server
     driver = driver_for(server, server.cache_control_token)
     async with governed(driver, server.base_url, tmp_path) as (gov, service):
         prompt = letters(200)
