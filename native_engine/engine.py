@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from native_engine.config import EngineConfig
+from native_engine.detokenizer import IncrementalDetokenizer
 from native_engine.kvcache.block_pool import BlockPool
 from native_engine.kvcache.radix_cache import CacheEventListener, RadixCache
 from native_engine.request import Request, RequestStatus, SamplingParams
@@ -199,26 +200,28 @@ class LLMEngine:
                 torch.tensor(plan.copy_src, dtype=torch.int64),
                 torch.tensor(plan.copy_dst, dtype=torch.int64),
             )
-        logits = self.runner.execute(self._build_batch(plan))
-        self.scheduler.advance(plan)
-        # A request samples once all its tokens have KV; a partial prefill chunk samples nothing.
+        # A request samples once all its tokens have KV; a partial prefill chunk samples
+        # nothing, so the runner computes logits for the sampling rows only.
         rows = [
-            i for i, (r, _) in enumerate(plan.scheduled) if r.num_computed_tokens == r.num_tokens
+            i for i, (r, n) in enumerate(plan.scheduled)
+            if r.num_computed_tokens + n == r.num_tokens
         ]
+        logits = self.runner.execute(self._build_batch(plan, rows))
+        self.scheduler.advance(plan)
         if not rows:
             return []
         reqs = [plan.scheduled[i][0] for i in rows]
         samples = sample(
-            logits[rows],
+            logits,
             [r.params for r in reqs],
             [r.generator or self.default_generator for r in reqs],
         )
         return [self._append(r, s) for r, s in zip(reqs, samples, strict=True)]
 
-    def _build_batch(self, plan: SchedulerOutput) -> Any:
+    def _build_batch(self, plan: SchedulerOutput, logits_rows: list[int]) -> Any:
         from native_engine.model.runner import RunnerBatch
 
-        return build_batch(plan, self.pool, RunnerBatch)
+        return build_batch(plan, self.pool, RunnerBatch, logits_rows)
 
     def _append(self, req: Request, s: Sample) -> RequestOutput:
         req.token_ids.append(s.token_id)
@@ -258,10 +261,12 @@ class LLMEngine:
         """Update the request's text; returns the newly releasable text."""
         if self.tokenizer is None:
             return ""
-        ids = req.output_token_ids
-        if status is RequestStatus.FINISHED_STOPPED:
-            ids = ids[:-1]  # the stop/EOS token is not text
-        text = self.tokenizer.decode(ids)
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if status is RequestStatus.FINISHED_STOPPED:  # the stop/EOS token is not text
+            text = req.detokenizer.text
+        else:
+            text = req.detokenizer.push(req.token_ids[-1])
         stops = req.params.stop
         if stops:
             search_from = max(0, len(req.output_text) - max(map(len, stops)))
@@ -358,10 +363,15 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         assert all(not r.is_finished for r in self.requests.values())
+        for req in self.requests.values():
+            if req.detokenizer is not None:
+                req.detokenizer.check_integrity()
 
 
-def build_batch(plan: SchedulerOutput, pool: BlockPool, batch_type: Any) -> Any:
-    """The runner's flattened batch for a plan (requests back to back, in plan order)."""
+def build_batch(plan: SchedulerOutput, pool: BlockPool, batch_type: Any,
+                logits_rows: Sequence[int]) -> Any:
+    """The runner's flattened batch for a plan (requests back to back, in plan order);
+    logits are wanted for the requests at `logits_rows` (indices into plan.scheduled)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -385,4 +395,5 @@ def build_batch(plan: SchedulerOutput, pool: BlockPool, batch_type: Any) -> Any:
         block_tables=tables,
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
     )

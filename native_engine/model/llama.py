@@ -101,10 +101,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rope_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, full-width cos and signed sin [max_pos, D] for `apply_rope`: the
+    rotate-half form x * cos + cat(x2, x1) * (-sin, sin) in one pass over all heads."""
+    freqs = torch.outer(
+        torch.arange(config.max_position_embeddings, dtype=torch.float32),
+        rope_inv_freq(config),
+    )
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout). x: [T, H, D]; cos, sin: [T, 1, D/2]."""
+    """Rotate-half RoPE (HF layout). x: [T, H, D]; cos, sin: [T, 1, D] from `rope_tables`."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
 @dataclass
@@ -152,12 +163,9 @@ class LlamaModel:
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.norm = w("model.norm.weight")
         self.layers = [self._load_layer(w, i) for i in range(config.num_layers)]
-        freqs = torch.outer(
-            torch.arange(config.max_position_embeddings, dtype=torch.float32),
-            rope_inv_freq(config),
-        )
-        self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
-        self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
+        cos, sin = rope_tables(config)
+        self.rope_cos = cos.to(device=device, dtype=dtype)
+        self.rope_sin = sin.to(device=device, dtype=dtype)
 
     @staticmethod
     def _load_layer(w: Any, i: int) -> _Layer:
@@ -181,23 +189,19 @@ class LlamaModel:
         """Final-normed hidden states [T, hidden]; stores every token's K/V on the way."""
         cfg = self.config
         t = input_ids.shape[0]
+        step = self.kernels.plan(attn.slot_mapping, attn.block_tables, attn.query_start_loc,
+                                 attn.context_lens, kv_caches[0][0].shape[1])
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
+        num_qk = cfg.num_heads + cfg.num_kv_heads
         h = self.embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-            self.kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-            o = self.kernels.paged_attention(
-                q, k_cache, v_cache, attn.block_tables, attn.query_start_loc,
-                attn.context_lens, self.scale,
-            )
-            h = h + F.linear(o.reshape(t, q_size), layer.o_proj)
+            qkv = F.linear(x, layer.qkv).view(t, num_qk + cfg.num_kv_heads, cfg.head_dim)
+            qk = apply_rope(qkv[:, :num_qk], cos, sin)  # q and k heads in one pass
+            o = self.kernels.attend(qk[:, : cfg.num_heads], qk[:, cfg.num_heads :],
+                                    qkv[:, num_qk:], k_cache, v_cache, step, self.scale)
+            h = h + F.linear(o.reshape(t, -1), layer.o_proj)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down)

@@ -80,7 +80,8 @@ class RunnerBatch:
     input_ids, positions, slot_mapping: [T] int64. block_tables: [R, max_blocks] int32
     (padded with 0). query_start_loc: [R+1] int32, request r owns tokens
     [query_start_loc[r], query_start_loc[r+1]) (at least one). context_lens: [R] int32,
-    tokens cached + new per request.
+    tokens cached + new per request. logits_rows: [S] int64, the requests (ascending, in
+    [0, R)) whose next-token logits are wanted; None means every request.
     """
 
     input_ids: torch.Tensor
@@ -89,6 +90,7 @@ class RunnerBatch:
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
+    logits_rows: torch.Tensor | None = None
 
     def check(self, num_slots: int, max_positions: int) -> None:
         """Raise ValueError on shapes, dtypes or indices the kernels cannot take."""
@@ -116,6 +118,13 @@ class RunnerBatch:
             raise ValueError(f"positions must lie in [0, {max_positions})")
         if int(self.slot_mapping.max()) >= num_slots:
             raise ValueError(f"slot_mapping beyond the {num_slots} KV slots")
+        rows = self.logits_rows
+        if rows is not None and (
+            rows.dtype != torch.int64 or rows.dim() != 1
+            or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= r
+                                  or bool((rows.diff() <= 0).any())))
+        ):
+            raise ValueError(f"logits_rows must be ascending int64 request indices in [0, {r})")
 
 
 class ModelRunner:
@@ -174,7 +183,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: RunnerBatch) -> torch.Tensor:
-        """Float32 logits [R, vocab] for each request's last scheduled token."""
+        """Float32 logits [S, vocab] for the last scheduled token of each request in
+        `batch.logits_rows` (all R requests when None); the LM head runs on those rows only."""
         batch.check(self.num_slots, self.max_model_len)
         dev = self.device
         attn = AttentionMetadata(
@@ -185,8 +195,10 @@ class ModelRunner:
         )
         hidden = self.model.forward(batch.input_ids.to(dev), batch.positions.to(dev),
                                     self.kv_caches, attn)
-        last_rows = batch.query_start_loc[1:].to(dev, torch.int64) - 1
-        return self.model.compute_logits(hidden[last_rows])
+        last_rows = batch.query_start_loc[1:].to(torch.int64) - 1
+        if batch.logits_rows is not None:
+            last_rows = last_rows[batch.logits_rows]
+        return self.model.compute_logits(hidden[last_rows.to(dev)])
 
     @torch.inference_mode()
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
