@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from native_engine.kernels.linear import Linear, choose_linear
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -131,11 +133,11 @@ class AttentionMetadata:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    o_proj: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaModel:
@@ -156,27 +158,34 @@ class LlamaModel:
         self.kernels = kernels
         self.scale = config.head_dim ** -0.5
 
+        self.linear_kind = choose_linear(dtype, device)
+
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Linear(head, self.linear_kind)
         self.norm = w("model.norm.weight")
         self.layers = [self._load_layer(w, i) for i in range(config.num_layers)]
         cos, sin = rope_tables(config)
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
 
-    @staticmethod
-    def _load_layer(w: Any, i: int) -> _Layer:
+    def _load_layer(self, w: Any, i: int) -> _Layer:
         p = f"model.layers.{i}."
+
+        def linear(weight: torch.Tensor) -> Linear:
+            return Linear(weight, self.linear_kind)
+
         return _Layer(
             input_norm=w(p + "input_layernorm.weight"),
-            qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-            o_proj=w(p + "self_attn.o_proj.weight"),
+            qkv=linear(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+            o_proj=linear(w(p + "self_attn.o_proj.weight")),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-            down=w(p + "mlp.down_proj.weight"),
+            gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"),
+                                      w(p + "mlp.up_proj.weight")])),
+            down=linear(w(p + "mlp.down_proj.weight")),
         )
 
     def forward(
@@ -197,16 +206,16 @@ class LlamaModel:
         h = self.embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv).view(t, num_qk + cfg.num_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(x).view(t, num_qk + cfg.num_kv_heads, cfg.head_dim)
             qk = apply_rope(qkv[:, :num_qk], cos, sin)  # q and k heads in one pass
             o = self.kernels.attend(qk[:, : cfg.num_heads], qk[:, cfg.num_heads :],
                                     qkv[:, num_qk:], k_cache, v_cache, step, self.scale)
-            h = h + F.linear(o.reshape(t, -1), layer.o_proj)
+            h = h + layer.o_proj(o.reshape(t, -1))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given hidden rows."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -6,40 +6,26 @@ compute dtype. A slot is `block * block_size + offset`.
 
 from __future__ import annotations
 
-import os
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from native_engine.kernels import BACKENDS, select_backend
 from native_engine.model.llama import AttentionMetadata, LlamaModel
-from native_engine.model.loaded import DTYPES, LoadedModel
+from native_engine.model.loaded import DTYPES, LoadedModel, dtype_name
+from native_engine.model.machine import (
+    ComputeChoice,
+    auto_dtype,
+    cpu_flags,
+    default_num_threads,
+    reported_flags,
+)
 from native_engine.model.weights import load_model
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-
-
-def auto_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where the hardware has fast bf16 matmuls, float32 otherwise.
-
-    Measured on the 2-core AVX2 EPYC (no AMX, no AVX512-BF16): a [64,576]x[576,1536] matmul
-    takes ~3x longer in bf16 than in fp32, so CPUs without those units get float32.
-    """
-    if device.type == "cuda":
-        return torch.bfloat16
-    fast_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return torch.bfloat16 if fast_bf16 else torch.float32
-
-
-def default_num_threads() -> int:
-    """One core fewer than this process may use (at least one).
-
-    Torch's OpenMP threads spin-wait on each other; when another busy thread (the server's
-    event loop, a neighbour process) takes a core, a 2-thread decode step on 2 cores ran
-    ~16x slower than a 1-thread one in our measurement, so a core is left free.
-    """
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,8 +119,11 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        torch.set_num_threads(config.num_threads or default_num_threads())
-        self.dtype = auto_dtype(self.device) if config.dtype == "auto" else DTYPES[config.dtype]
+        num_threads = config.num_threads or default_num_threads()
+        torch.set_num_threads(num_threads)
+        flags = cpu_flags()
+        self.dtype = (auto_dtype(self.device, flags) if config.dtype == "auto"
+                      else DTYPES[config.dtype])
         loaded = loaded or load_model(config.model_path, self.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -142,6 +131,12 @@ class ModelRunner:
         self.stop_token_ids = loaded.tokenizer.stop_token_ids
         kernels = select_backend(config.attention_backend, self.device)
         self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, kernels)
+        self.compute = ComputeChoice(
+            device=self.device.type, dtype=dtype_name(self.dtype),
+            attention=kernels.__name__.rsplit(".", 1)[-1], linear=self.model.linear_kind,
+            num_threads=num_threads, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            flags=reported_flags(flags))
+        log.info("%s", self.compute.describe())
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.block_bytes())
         self.kv_caches = self._allocate_kv()

@@ -33,6 +33,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+COMPUTE_INFO_HELP = ("Dtype, kernels and threads the native engine chose at start-up from "
+                     "this machine's CPU flags.")
 # vLLM name -> (EngineStats field, help text); all count tokens except preemptions.
 STAT_COUNTERS = {
     "vllm:prefix_cache_queries": ("prefix_query_tokens",
@@ -97,7 +99,8 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, cache: CacheInfo, engine_index: int = 0) -> None:
+    def __init__(self, model_name: str, cache: CacheInfo, engine_index: int = 0,
+                 compute: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"engine": str(engine_index), "model_name": model_name}
         reg = self.registry
@@ -123,6 +126,9 @@ class ServerMetrics:
         info = cache.labels()
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               (*info, "engine"), registry=reg).labels(**info, engine=self.labels["engine"]).set(1)
+        if compute is not None:  # fak's own: the dtype and kernels chosen for this machine
+            Gauge("fak:engine_compute_info", COMPUTE_INFO_HELP, (*compute, "engine"),
+                  registry=reg).labels(**compute, engine=self.labels["engine"]).set(1)
 
     def _gauge(self, name: str, text: str) -> Gauge:
         return Gauge(name, text, LABELS, registry=self.registry).labels(**self.labels)

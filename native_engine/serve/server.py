@@ -263,8 +263,10 @@ async def build_server(config: ServerConfig) -> tuple[EngineServer, EventPublish
         raise
     engine = AsyncLLMEngine(llm)
     await engine.start()
+    compute = getattr(llm.runner, "compute", None)
     metrics = ServerMetrics(config.model_name, CacheInfo(
-        llm.config.block_size, llm.config.num_blocks, llm.cache is not None))
+        llm.config.block_size, llm.config.num_blocks, llm.cache is not None),
+        compute=compute.labels() if compute is not None else None)
     serving = OpenAIServing(
         engine, llm.runner.tokenizer, llm.runner.chat_template,
         ServingConfig(config.model_name, llm.max_model_len,
