@@ -51,17 +51,6 @@ def test_decode_only_batches_of_uneven_contexts(ctx_lens, heads, page, seed) -> 
     assert_matches_reference([1] * len(ctx_lens), ctx_lens, heads, 64, page, torch.float32, seed)
 
 
-def test_gather_blocks_pads_to_whole_blocks_and_masks_past_the_context() -> None:
-    cache = torch.arange(8 * 4 * 2.0).view(8, 4, 2, 1)  # 8 blocks of 4 slots, 2 heads, D=1
-    tables = torch.tensor([[7, 2, 0], [4, 0, 0]], dtype=torch.int32)
-    gathered, valid = torch_fast.gather_blocks(cache, tables, torch.tensor([6, 2]))
-    assert gathered.shape == (2, 8, 2)
-    assert torch.equal(gathered[0, :4], cache[7].view(4, 2))
-    assert torch.equal(gathered[0, 4:], cache[2].view(4, 2))
-    assert torch.equal(gathered[1, :4], cache[4].view(4, 2))
-    assert valid.tolist() == [[True] * 6 + [False] * 2, [True] * 2 + [False] * 6]
-
-
 def test_store_kv_is_the_reference_one() -> None:
     assert torch_fast.store_kv is torch_ref.store_kv
 
