@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from native_engine.config import EngineConfig
+from native_engine.detokenizer import IncrementalDetokenizer
 from native_engine.kvcache.block_pool import BlockPool
 from native_engine.kvcache.radix_cache import CacheEventListener, RadixCache
 from native_engine.kvcache.tier_types import SpanRemoval, TierRemoval, TierStats
@@ -239,7 +240,7 @@ class LLMEngine:
             if r.num_computed_tokens + n == r.num_tokens
         ]
         try:
-            logits = self._forward(plan)[rows]
+            logits = self._forward(plan, rows)
         except Exception as exc:
             return self._fail_step(plan, exc)
         self.scheduler.advance(plan)
@@ -250,13 +251,14 @@ class LLMEngine:
         return [self._fail(r, s) if isinstance(s, Exception) else self._append_or_fail(r, s)
                 for r, s in zip(reqs, samples, strict=True)]
 
-    def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
+    def _forward(self, plan: SchedulerOutput, rows: list[int]) -> torch.Tensor:
         if plan.copy_src:
             self.runner.copy_slots(
                 torch.tensor(plan.copy_src, dtype=torch.int64),
                 torch.tensor(plan.copy_dst, dtype=torch.int64),
             )
-        return self.runner.execute(self._build_batch(plan))
+        # the runner computes logits for the sampling rows only
+        return self.runner.execute(self._build_batch(plan, rows))
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[Sample | Exception]:
         """The batch's samples; if the batch raises, row by row, so a failure stays with its
@@ -302,10 +304,10 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens, cached_tokens=req.num_cached_tokens,
             error=exc)
 
-    def _build_batch(self, plan: SchedulerOutput) -> Any:
+    def _build_batch(self, plan: SchedulerOutput, logits_rows: list[int]) -> Any:
         from native_engine.model.runner import RunnerBatch
 
-        return build_batch(plan, self.pool, RunnerBatch)
+        return build_batch(plan, self.pool, RunnerBatch, logits_rows)
 
     def _append(self, req: Request, s: Sample) -> RequestOutput:
         req.token_ids.append(s.token_id)
@@ -345,10 +347,12 @@ class LLMEngine:
         """Update the request's text; returns the newly releasable text."""
         if self.tokenizer is None:
             return ""
-        ids = req.output_token_ids
-        if status is RequestStatus.FINISHED_STOPPED:
-            ids = ids[:-1]  # the stop/EOS token is not text
-        text = self.tokenizer.decode(ids)
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if status is RequestStatus.FINISHED_STOPPED:  # the stop/EOS token is not text
+            text = req.detokenizer.text
+        else:
+            text = req.detokenizer.push(req.token_ids[-1])
         stops = req.params.stop
         if stops:
             search_from = max(0, len(req.output_text) - max(map(len, stops)))
@@ -470,10 +474,15 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.check_integrity()
         assert all(not r.is_finished for r in self.requests.values())
+        for req in self.requests.values():
+            if req.detokenizer is not None:
+                req.detokenizer.check_integrity()
 
 
-def build_batch(plan: SchedulerOutput, pool: BlockPool, batch_type: Any) -> Any:
-    """The runner's flattened batch for a plan (requests back to back, in plan order)."""
+def build_batch(plan: SchedulerOutput, pool: BlockPool, batch_type: Any,
+                logits_rows: Sequence[int]) -> Any:
+    """The runner's flattened batch for a plan (requests back to back, in plan order);
+    logits are wanted for the requests at `logits_rows` (indices into plan.scheduled)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -497,4 +506,5 @@ def build_batch(plan: SchedulerOutput, pool: BlockPool, batch_type: Any) -> Any:
         block_tables=tables,
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
     )

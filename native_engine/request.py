@@ -177,6 +177,7 @@ class Request:
     generator: torch.Generator | None = None
     output_text: str = ""
     num_text_emitted: int = 0
+    detokenizer: Any = None  # the engine's IncrementalDetokenizer, made at the first output
     stop_reason: str | int | None = None
 
     def __post_init__(self) -> None:

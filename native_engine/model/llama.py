@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from native_engine.kernels.linear import Linear, choose_linear
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -95,16 +97,27 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm as one fused kernel. In fp32 it equals HF's LlamaRMSNorm (normalise, then
+    scale) bit for bit (checked); in bf16 it rounds once after scaling, as vLLM's CPU kernel
+    does, where HF rounds before scaling too. One kernel instead of six per call."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def rope_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, full-width cos and signed sin [max_pos, D] for `apply_rope`: the
+    rotate-half form x * cos + cat(x2, x1) * (-sin, sin) in one pass over all heads."""
+    freqs = torch.outer(
+        torch.arange(config.max_position_embeddings, dtype=torch.float32),
+        rope_inv_freq(config),
+    )
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout). x: [T, H, D]; cos, sin: [T, 1, D/2]."""
+    """Rotate-half RoPE (HF layout). x: [T, H, D]; cos, sin: [T, 1, D] from `rope_tables`."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
 @dataclass
@@ -120,11 +133,11 @@ class AttentionMetadata:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    o_proj: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaModel:
@@ -145,30 +158,34 @@ class LlamaModel:
         self.kernels = kernels
         self.scale = config.head_dim ** -0.5
 
+        self.linear_kind = choose_linear(dtype, device)
+
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Linear(head, self.linear_kind)
         self.norm = w("model.norm.weight")
         self.layers = [self._load_layer(w, i) for i in range(config.num_layers)]
-        freqs = torch.outer(
-            torch.arange(config.max_position_embeddings, dtype=torch.float32),
-            rope_inv_freq(config),
-        )
-        self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
-        self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
+        cos, sin = rope_tables(config)
+        self.rope_cos = cos.to(device=device, dtype=dtype)
+        self.rope_sin = sin.to(device=device, dtype=dtype)
 
-    @staticmethod
-    def _load_layer(w: Any, i: int) -> _Layer:
+    def _load_layer(self, w: Any, i: int) -> _Layer:
         p = f"model.layers.{i}."
+
+        def linear(weight: torch.Tensor) -> Linear:
+            return Linear(weight, self.linear_kind)
+
         return _Layer(
             input_norm=w(p + "input_layernorm.weight"),
-            qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-            o_proj=w(p + "self_attn.o_proj.weight"),
+            qkv=linear(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+            o_proj=linear(w(p + "self_attn.o_proj.weight")),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-            down=w(p + "mlp.down_proj.weight"),
+            gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"),
+                                      w(p + "mlp.up_proj.weight")])),
+            down=linear(w(p + "mlp.down_proj.weight")),
         )
 
     def forward(
@@ -181,28 +198,24 @@ class LlamaModel:
         """Final-normed hidden states [T, hidden]; stores every token's K/V on the way."""
         cfg = self.config
         t = input_ids.shape[0]
+        step = self.kernels.plan(attn.slot_mapping, attn.block_tables, attn.query_start_loc,
+                                 attn.context_lens, kv_caches[0][0].shape[1])
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
+        num_qk = cfg.num_heads + cfg.num_kv_heads
         h = self.embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-            self.kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-            o = self.kernels.paged_attention(
-                q, k_cache, v_cache, attn.block_tables, attn.query_start_loc,
-                attn.context_lens, self.scale,
-            )
-            h = h + F.linear(o.reshape(t, q_size), layer.o_proj)
+            qkv = layer.qkv(x).view(t, num_qk + cfg.num_kv_heads, cfg.head_dim)
+            qk = apply_rope(qkv[:, :num_qk], cos, sin)  # q and k heads in one pass
+            o = self.kernels.attend(qk[:, : cfg.num_heads], qk[:, cfg.num_heads :],
+                                    qkv[:, num_qk:], k_cache, v_cache, step, self.scale)
+            h = h + layer.o_proj(o.reshape(t, -1))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given hidden rows."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -7,40 +7,26 @@ the KV through `slot_views` (copy, read and write by slot), so a layout change i
 
 from __future__ import annotations
 
-import os
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from native_engine.kernels import BACKENDS, select_backend
 from native_engine.model.llama import AttentionMetadata, LlamaModel
-from native_engine.model.loaded import DTYPES, LoadedModel, weights_digest
+from native_engine.model.loaded import DTYPES, LoadedModel, dtype_name, weights_digest
+from native_engine.model.machine import (
+    ComputeChoice,
+    auto_dtype,
+    cpu_flags,
+    default_num_threads,
+    reported_flags,
+)
 from native_engine.model.weights import load_model
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-
-
-def auto_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where the hardware has fast bf16 matmuls, float32 otherwise.
-
-    Measured on the 2-core AVX2 EPYC (no AMX, no AVX512-BF16): a [64,576]x[576,1536] matmul
-    takes ~3x longer in bf16 than in fp32, so CPUs without those units get float32.
-    """
-    if device.type == "cuda":
-        return torch.bfloat16
-    fast_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return torch.bfloat16 if fast_bf16 else torch.float32
-
-
-def default_num_threads() -> int:
-    """One core fewer than this process may use (at least one).
-
-    Torch's OpenMP threads spin-wait on each other; when another busy thread (the server's
-    event loop, a neighbour process) takes a core, a 2-thread decode step on 2 cores ran
-    ~16x slower than a 1-thread one in our measurement, so a core is left free.
-    """
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,7 +67,8 @@ class RunnerBatch:
     input_ids, positions, slot_mapping: [T] int64. block_tables: [R, max_blocks] int32
     (padded with 0). query_start_loc: [R+1] int32, request r owns tokens
     [query_start_loc[r], query_start_loc[r+1]) (at least one). context_lens: [R] int32,
-    tokens cached + new per request.
+    tokens cached + new per request. logits_rows: [S] int64, the requests (ascending, in
+    [0, R)) whose next-token logits are wanted; None means every request.
     """
 
     input_ids: torch.Tensor
@@ -90,6 +77,7 @@ class RunnerBatch:
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
+    logits_rows: torch.Tensor | None = None
 
     def check(self, num_slots: int, max_positions: int) -> None:
         """Raise ValueError on shapes, dtypes or indices the kernels cannot take."""
@@ -117,6 +105,13 @@ class RunnerBatch:
             raise ValueError(f"positions must lie in [0, {max_positions})")
         if int(self.slot_mapping.max()) >= num_slots:
             raise ValueError(f"slot_mapping beyond the {num_slots} KV slots")
+        rows = self.logits_rows
+        if rows is not None and (
+            rows.dtype != torch.int64 or rows.dim() != 1
+            or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= r
+                                  or bool((rows.diff() <= 0).any())))
+        ):
+            raise ValueError(f"logits_rows must be ascending int64 request indices in [0, {r})")
 
 
 class ModelRunner:
@@ -125,8 +120,11 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        torch.set_num_threads(config.num_threads or default_num_threads())
-        self.dtype = auto_dtype(self.device) if config.dtype == "auto" else DTYPES[config.dtype]
+        num_threads = config.num_threads or default_num_threads()
+        torch.set_num_threads(num_threads)
+        flags = cpu_flags()
+        self.dtype = (auto_dtype(self.device, flags) if config.dtype == "auto"
+                      else DTYPES[config.dtype])
         loaded = loaded or load_model(config.model_path, self.dtype)
         self.model_config = loaded.config
         self.model_digest = loaded.digest or weights_digest(loaded.weights)
@@ -135,6 +133,12 @@ class ModelRunner:
         self.stop_token_ids = loaded.tokenizer.stop_token_ids
         kernels = select_backend(config.attention_backend, self.device)
         self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, kernels)
+        self.compute = ComputeChoice(
+            device=self.device.type, dtype=dtype_name(self.dtype),
+            attention=kernels.__name__.rsplit(".", 1)[-1], linear=self.model.linear_kind,
+            num_threads=num_threads, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            flags=reported_flags(flags))
+        log.info("%s", self.compute.describe())
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.block_bytes())
         self.kv_caches = self._allocate_kv()
@@ -176,7 +180,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: RunnerBatch) -> torch.Tensor:
-        """Float32 logits [R, vocab] for each request's last scheduled token."""
+        """Float32 logits [S, vocab] for the last scheduled token of each request in
+        `batch.logits_rows` (all R requests when None); the LM head runs on those rows only."""
         batch.check(self.num_slots, self.max_model_len)
         dev = self.device
         attn = AttentionMetadata(
@@ -187,8 +192,10 @@ class ModelRunner:
         )
         hidden = self.model.forward(batch.input_ids.to(dev), batch.positions.to(dev),
                                     self.kv_caches, attn)
-        last_rows = batch.query_start_loc[1:].to(dev, torch.int64) - 1
-        return self.model.compute_logits(hidden[last_rows])
+        last_rows = batch.query_start_loc[1:].to(torch.int64) - 1
+        if batch.logits_rows is not None:
+            last_rows = last_rows[batch.logits_rows]
+        return self.model.compute_logits(hidden[last_rows.to(dev)])
 
     def slot_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, (K, V) viewed as [num_slots, Hkv, D]: the one accessor by slot."""

@@ -62,6 +62,8 @@ TIER_GAUGES = {
     "fak_kv_tier_prefill_tokens_per_second": ("prefill_tokens_per_s", "Prefill rate measured "
                                               "at start-up (the recompute side)."),
 }
+COMPUTE_INFO_HELP = ("Dtype, kernels and threads the native engine chose at start-up from "
+                     "this machine's CPU flags.")
 # vLLM name -> (EngineStats field, help text); all count tokens except preemptions.
 STAT_COUNTERS = {
     "vllm:prefix_cache_queries": ("prefix_query_tokens",
@@ -126,7 +128,8 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, cache: CacheInfo, engine_index: int = 0) -> None:
+    def __init__(self, model_name: str, cache: CacheInfo, engine_index: int = 0,
+                 compute: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"engine": str(engine_index), "model_name": model_name}
         reg = self.registry
@@ -157,6 +160,9 @@ class ServerMetrics:
         info = cache.labels()
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               (*info, "engine"), registry=reg).labels(**info, engine=self.labels["engine"]).set(1)
+        if compute is not None:  # fak's own: the dtype and kernels chosen for this machine
+            Gauge("fak:engine_compute_info", COMPUTE_INFO_HELP, (*compute, "engine"),
+                  registry=reg).labels(**compute, engine=self.labels["engine"]).set(1)
 
     def _gauge(self, name: str, text: str) -> Gauge:
         return Gauge(name, text, LABELS, registry=self.registry).labels(**self.labels)

@@ -24,7 +24,7 @@ from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
 from native_engine.kvcache.events import EventPublisher, KVEventRecorder
 from native_engine.model.loaded import DTYPES, LoadedModel
-from native_engine.model.runner import auto_dtype
+from native_engine.model.machine import auto_dtype
 from native_engine.model.weights import load_model
 from native_engine.serve.kv_config import KVEventsConfig
 from native_engine.serve.kv_publisher import make_publisher
@@ -116,7 +116,8 @@ async def _start_rank(spec: RankSpec, rank: int, loaded: LoadedModel | None) -> 
     engine = AsyncLLMEngine(llm, spec.supervisor)
     await engine.start()
     metrics = ServerMetrics(spec.model_name, CacheInfo(
-        llm.config.block_size, llm.config.num_blocks, llm.cache is not None), rank)
+        llm.config.block_size, llm.config.num_blocks, llm.cache is not None), rank,
+        compute=llm.runner.compute.labels())
     serving = OpenAIServing(
         engine, llm.runner.tokenizer, llm.runner.chat_template,
         ServingConfig(spec.model_name, llm.max_model_len,

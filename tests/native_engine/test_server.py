@@ -14,10 +14,13 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+import torch
 
 from adapters.vllm.kv_decode import fold_hash
 from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig, SyncState
 from adapters.vllm.metrics import serving_metrics, snapshot_from_text
+from native_engine.model.loaded import dtype_name
+from native_engine.model.machine import auto_dtype
 from native_engine.serve.kv_config import KVEventsConfig
 from native_engine.serve.server import RunningServer, ServerConfig, start_server
 from schemas.kv_events import BlockRemoved
@@ -117,7 +120,13 @@ async def test_openai_surface_metrics_and_reset(server: RunningServer) -> None:
         again = (await c.post("/v1/completions", json=body)).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
-        snapshot = snapshot_from_text((await c.get("/metrics")).text, "smollm2")
+        text = (await c.get("/metrics")).text
+        compute = server.llm_engine.runner.compute  # type: ignore[attr-defined]
+        assert compute.dtype == dtype_name(auto_dtype(torch.device("cpu")))
+        info = next(line for line in text.splitlines()
+                    if line.startswith("fak:engine_compute_info{"))
+        assert f'dtype="{compute.dtype}"' in info and 'attention="torch_fast"' in info
+        snapshot = snapshot_from_text(text, "smollm2")
         record = serving_metrics(snapshot)
         missing = [f.name for f in dataclasses.fields(record) if getattr(record, f.name) is None]
         assert not missing, missing

@@ -51,17 +51,6 @@ def test_decode_only_batches_of_uneven_contexts(ctx_lens, heads, page, seed) -> 
     assert_matches_reference([1] * len(ctx_lens), ctx_lens, heads, 64, page, torch.float32, seed)
 
 
-def test_gather_blocks_pads_to_whole_blocks_and_masks_past_the_context() -> None:
-    cache = torch.arange(8 * 4 * 2.0).view(8, 4, 2, 1)  # 8 blocks of 4 slots, 2 heads, D=1
-    tables = torch.tensor([[7, 2, 0], [4, 0, 0]], dtype=torch.int32)
-    gathered, valid = torch_fast.gather_blocks(cache, tables, torch.tensor([6, 2]))
-    assert gathered.shape == (2, 8, 2)
-    assert torch.equal(gathered[0, :4], cache[7].view(4, 2))
-    assert torch.equal(gathered[0, 4:], cache[2].view(4, 2))
-    assert torch.equal(gathered[1, :4], cache[4].view(4, 2))
-    assert valid.tolist() == [[True] * 6 + [False] * 2, [True] * 2 + [False] * 6]
-
-
 def test_store_kv_is_the_reference_one() -> None:
     assert torch_fast.store_kv is torch_ref.store_kv
 
@@ -69,3 +58,64 @@ def test_store_kv_is_the_reference_one() -> None:
 def test_cpu_backends_select_the_fast_path() -> None:
     assert select_backend("auto", "cpu") is torch_fast
     assert select_backend("torch", "cpu") is torch_fast
+
+
+def new_token_slots(batch) -> torch.Tensor:
+    """Slot of every new token (the last positions of each request's context)."""
+    page = batch.k_cache.shape[1]
+    slots = []
+    starts = batch.query_start_loc.tolist()
+    for r, ctx in enumerate(batch.context_lens.tolist()):
+        n = starts[r + 1] - starts[r]
+        pos = torch.arange(ctx - n, ctx)
+        slots.append(batch.block_tables[r, pos // page].long() * page + pos % page)
+    return torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.tuples(st.integers(0, 24), st.integers(0, 40)), min_size=1, max_size=6),
+    heads=HEADS,
+    page=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_attend_with_the_steps_fresh_kv_matches_reference(shape, heads, page, dtype, seed) -> None:
+    """The model's path: plan once, attend with the step's own K/V (stored on the way; a
+    prompt with nothing cached reads them directly, causally) equals the oracle."""
+    ctx_lens = [max(1, cached + new) for new, cached in shape]
+    new_lens = [min(new, ctx) for (new, _), ctx in zip(shape, ctx_lens, strict=True)]
+    batch = make_paged_batch(new_lens, ctx_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
+                             head_dim=64, page_size=page, dtype=dtype, seed=seed)
+    ref = torch_ref.paged_attention(*batch.attention_args())
+    slots = new_token_slots(batch)
+    flat_k = batch.k_cache.view(-1, *batch.k_cache.shape[2:])
+    flat_v = batch.v_cache.view(-1, *batch.v_cache.shape[2:])
+    k_new, v_new = flat_k[slots].clone(), flat_v[slots].clone()
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = float("nan")  # attend must write them
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = float("nan")
+    step = torch_fast.plan(slots, batch.block_tables, batch.query_start_loc,
+                           batch.context_lens, page)
+    out = torch_fast.attend(batch.q, k_new, v_new, k_cache, v_cache, step, batch.scale)
+    assert not out.isnan().any(), "read an unowned (poisoned) or unwritten slot"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+    assert torch.equal(k_cache.view(-1, *k_cache.shape[2:])[slots], k_new)
+    assert torch.equal(v_cache.view(-1, *v_cache.shape[2:])[slots], v_new)
+
+
+def test_plan_skips_unstored_slots() -> None:
+    """Slots of -1 are not written; the rest are, from the matching rows."""
+    batch = make_paged_batch([3], [3], num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
+    slots = new_token_slots(batch)
+    slots[1] = -1
+    step = torch_fast.plan(slots, batch.block_tables, batch.query_start_loc,
+                           batch.context_lens, 4)
+    assert step.store_rows is not None and step.store_rows.tolist() == [0, 2]
+    k = torch.randn(3, 1, 8)
+    cache = torch.zeros_like(batch.k_cache)
+    torch_fast.attend(batch.q, k, k, cache, cache.clone(), step, batch.scale)
+    flat = cache.view(-1, 1, 8)
+    skipped = int(new_token_slots(batch)[1])
+    assert torch.equal(flat[slots[[0, 2]]], k[[0, 2]]) and not flat[skipped].any()

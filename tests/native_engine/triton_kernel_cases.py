@@ -130,6 +130,29 @@ def test_attention_accepts_strided_q() -> None:
     _assert_close(out, torch_ref.paged_attention(*batch.attention_args()), torch.float32)
 
 
+def test_attend_stores_then_attends_as_the_reference() -> None:
+    """The model's per-step pair: plan once, attend (store the step's K/V, then attention)."""
+    batch = make_paged_batch([1, 4, 3], [9, 4, 7], num_q_heads=4, num_kv_heads=2,
+                             head_dim=32, page_size=4, seed=4)
+    ref = torch_ref.paged_attention(*batch.attention_args())
+    page = 4
+    new_positions = [torch.arange(ctx - n, ctx) for ctx, n in [(9, 1), (4, 4), (7, 3)]]
+    slots = torch.cat([batch.block_tables[r, pos // page].long() * page + pos % page
+                       for r, pos in enumerate(new_positions)])
+    k_new = batch.k_cache.view(-1, 2, 32)[slots].clone()
+    v_new = batch.v_cache.view(-1, 2, 32)[slots].clone()
+    caches = [c.clone() for c in (batch.k_cache, batch.v_cache)]
+    for c in caches:
+        c.view(-1, 2, 32)[slots] = float("nan")
+    backend = _backend()
+    step = backend.plan(slots.to(DEVICE), batch.block_tables.to(DEVICE),
+                        batch.query_start_loc.to(DEVICE), batch.context_lens.to(DEVICE), page)
+    moved = [c.to(DEVICE) for c in caches]
+    out = backend.attend(batch.q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), *moved, step,
+                         batch.scale)
+    _assert_close(out, ref, torch.float32)
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     num_tokens=st.integers(1, 40),

@@ -1,0 +1,86 @@
+"""What this machine computes fastest, decided once at start-up from its CPU flags.
+
+The dtype follows the matrix units: bf16 where the CPU multiplies bf16 natively (AMX tiles
+or AVX512-BF16; oneDNN then runs the linears), float32 elsewhere. Measured on the 2-core
+AVX2 EPYC (no AMX, no AVX512-BF16): the 30 layers' linears of SmolLM2 at 64 rows took
+2,140 ms in bf16 against 239 ms in fp32, and 26 against 44 ms at one row (1 thread), so an
+AVX2 machine gets float32. CUDA gets bf16 and the Triton kernels. The choice is printed
+(`describe`) and exported as an info gauge on `/metrics` (`labels`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Flags that decide the choice (as /proc/cpuinfo spells them).
+BF16_MATRIX_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
+REPORTED_FLAGS = (*BF16_MATRIX_FLAGS, "avx512f", "avx2", "fma", "f16c")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's flags; empty where /proc/cpuinfo is absent (not Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def has_fast_bf16(flags: frozenset[str]) -> bool:
+    """bf16 matmuls in hardware: by the flags, or by torch's own probe when flags are absent."""
+    if flags:
+        return any(f in flags for f in BF16_MATRIX_FLAGS)
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+def default_num_threads() -> int:
+    """One core fewer than this process may use (at least one).
+
+    Torch's OpenMP threads spin-wait on each other; when another busy thread (the server's
+    event loop, a neighbour process) takes a core, a 2-thread decode step on 2 cores ran
+    ~16x slower than a 1-thread one in our measurement, so a core is left free.
+    """
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+@dataclass(frozen=True)
+class ComputeChoice:
+    """The dtype, kernels and threads a runner uses, and the CPU facts they follow from."""
+
+    device: str
+    dtype: str
+    attention: str
+    linear: str
+    num_threads: int
+    cpu_capability: str
+    flags: tuple[str, ...]
+
+    def describe(self) -> str:
+        return (f"compute: device={self.device} dtype={self.dtype} attention={self.attention} "
+                f"linear={self.linear} threads={self.num_threads} "
+                f"cpu_capability={self.cpu_capability} flags={','.join(self.flags) or '-'}")
+
+    def labels(self) -> dict[str, str]:
+        return {"device": self.device, "dtype": self.dtype, "attention": self.attention,
+                "linear": self.linear, "threads": str(self.num_threads),
+                "cpu_capability": self.cpu_capability, "cpu_flags": ",".join(self.flags)}
+
+
+def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+    """bfloat16 on CUDA and on CPUs with bf16 matrix units, float32 otherwise."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if has_fast_bf16(cpu_flags() if flags is None else flags) \
+        else torch.float32
+
+
+def reported_flags(flags: frozenset[str]) -> tuple[str, ...]:
+    return tuple(f for f in REPORTED_FLAGS if f in flags)

@@ -1,0 +1,62 @@
+"""The model's fused pieces against their plain definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from native_engine.kernels.linear import Linear, choose_linear, onednn_packs
+from native_engine.model.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
+from tests.native_engine.tiny_model import tiny_config
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), width=st.sampled_from([8, 64, 576]), seed=st.integers(0, 999))
+def test_rms_norm_is_hf_bit_for_bit_in_fp32(rows: int, width: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(rows, width, generator=gen), torch.randn(width, generator=gen)
+    assert torch.equal(rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
+
+
+def test_rope_matches_hf_rotate_half() -> None:
+    cfg = tiny_config()
+    positions = torch.tensor([0, 1, 7, 300])
+    x = torch.randn(4, 6, cfg.head_dim)
+    cos, sin = rope_tables(cfg)
+    out = apply_rope(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    angles = positions.float()[:, None] * rope_inv_freq(cfg)[None, :]
+    half = cfg.head_dim // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_onednn_packed_linear_equals_aten(rows: int) -> None:
+    """The packed path (what bf16 AMX machines run), exercised in fp32, which every
+    oneDNN CPU packs."""
+    assert onednn_packs(torch.float32)
+    weight, x = torch.randn(96, 40), torch.randn(rows, 40)
+    packed = Linear(weight, "onednn")
+    torch.testing.assert_close(packed(x), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    assert torch.equal(Linear(weight, "aten")(x), F.linear(x, weight))
+    with pytest.raises(ValueError, match="linear kind"):
+        Linear(weight, "int8")
+
+
+def test_linear_choice_per_dtype_and_device() -> None:
+    cpu = torch.device("cpu")
+    assert choose_linear(torch.float32, cpu) == "aten"
+    assert choose_linear(torch.bfloat16, torch.device("cuda")) == "aten"
+    want = "onednn" if onednn_packs(torch.bfloat16) else "aten"
+    assert choose_linear(torch.bfloat16, cpu) == want
