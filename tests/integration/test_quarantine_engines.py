@@ -28,8 +28,13 @@ from governor.quarantine.service import QuarantineRequest, QuarantineService, Sp
 from governor.serve import build_governor
 from governor.state import Governor
 
-from .native_server import (NativeServer, NativeServerConfig, NativeServerError,
-                            start_native_server, stop_native_server)
+from .native_server import (
+    NativeServer,
+    NativeServerConfig,
+    NativeServerError,
+    start_native_server,
+    stop_native_server,
+)
 from .vllm_server import VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
