@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -296,7 +296,7 @@ class VLLMDriver:
         return dataclasses.asdict(window)
 
     async def generate(self, request: EngineRequest,
-                       dp_rank: int | None = None) -> AsyncIterator[StreamChunk]:
+                       dp_rank: int | None = None) -> AsyncGenerator[StreamChunk, None]:
         """The request on this engine; `dp_rank` pins a data-parallel rank (the
         `X-data-parallel-rank` header, as vLLM reads it)."""
         client = self._require_client()
@@ -356,7 +356,7 @@ def _decoded(decode: Any, raw: Any) -> StreamChunk:
 
 async def _relay_sse(
     response: httpx.Response, first_byte: float, deadline: float
-) -> AsyncIterator[StreamChunk]:
+) -> AsyncGenerator[StreamChunk, None]:
     """One chunk per SSE data event, through `[DONE]`; a stream cut short is a 502."""
     events = EventSource(response).aiter_sse()
     waiting_for = first_byte
