@@ -61,6 +61,7 @@ class Imitation:
     stream_delay_s: float = 0.0
     head_delay_s: float = 0.0
     prompt_details: bool = True
+    die_after_events: int | None = None  # a stream's connection is cut after this many
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     recorded: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
@@ -136,9 +137,12 @@ def build_app(state: Imitation) -> web.Application:
         await response.prepare(request)
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         try:
-            for line in SSE_LINES:
-                if '"choices":[]' in line and not include_usage:
-                    continue
+            for sent, line in enumerate(line for line in SSE_LINES
+                                        if include_usage or '"choices":[]' not in line):
+                if sent == state.die_after_events:  # the engine dies: cut mid-body
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return response
                 await response.write(f"{line}\n\n".encode())
                 await asyncio.sleep(state.stream_delay_s)
         except (ConnectionResetError, asyncio.CancelledError):
