@@ -273,12 +273,13 @@ def run(args: argparse.Namespace) -> None:
                     results.setdefault((name, c), []).append(got)
             print(f"  rep {rep + 1}/{args.reps} done; load average {load_average()}",
                   flush=True)
-        report(results, names, args.concurrency)
+        report(results, names, args.concurrency,
+               [n for n in names if n == "fak" or n in args.fak_roots])
     print(f"load average at the end {load_average()}")
 
 
 def report(results: dict[tuple[str, int], list[WrkResult]], names: list[str],
-           levels: list[int]) -> None:
+           levels: list[int], governors: list[str]) -> None:
     print("\nreq/s, p50, p99 (medians over reps; wrk -t1, non-streaming max_tokens=1)")
     print("| concurrency | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
@@ -292,15 +293,14 @@ def report(results: dict[tuple[str, int], list[WrkResult]], names: list[str],
                     f"p99 {statistics.median(r.p99_ms for r in runs):.2f} ms")
             cells.append(cell + (f" ({errors} errors)" if errors else ""))
         print(f"| {c} | " + " | ".join(cells) + " |")
-    if "fak" not in names:
-        return
-    print("\nfak against direct (paired per rep, median):")
-    for c in levels:
-        pairs = list(zip(results[("direct", c)], results[("fak", c)], strict=True))
-        p50 = statistics.median(f.p50_ms - d.p50_ms for d, f in pairs)
-        p99 = statistics.median(f.p99_ms - d.p99_ms for d, f in pairs)
-        rps = statistics.median(r.rps for r in results[("fak", c)])
-        print(f"  c={c}: {rps:,.0f} req/s; added p50 {p50:.2f} ms, added p99 {p99:.2f} ms")
+    for gov in governors:
+        print(f"\n{gov} against direct (paired per rep, median):")
+        for c in levels:
+            pairs = list(zip(results[("direct", c)], results[(gov, c)], strict=True))
+            p50 = statistics.median(f.p50_ms - d.p50_ms for d, f in pairs)
+            p99 = statistics.median(f.p99_ms - d.p99_ms for d, f in pairs)
+            rps = statistics.median(r.rps for r in results[(gov, c)])
+            print(f"  c={c}: {rps:,.0f} req/s; added p50 {p50:.2f} ms, added p99 {p99:.2f} ms")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,7 @@ from .upstream_errors import error_from_body, timed_out, unavailable
 from .urls import EngineURLs, ForbiddenURLError
 
 T = TypeVar("T")
+DONE_GRACE_S = 1.0  # after [DONE], how long the body's end is awaited (see _body_end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,28 +236,54 @@ class VLLMDriver:
         deadline = loop.time() + self.config.total_timeout_s
         first_byte = min(deadline, loop.time() + self.config.first_byte_timeout_s)
         headers = {"Content-Type": "application/json", "X-Request-Id": request.request_id}
-        response = await _guarded(
-            session.post(url, data=body, headers=headers, allow_redirects=False), first_byte)
+        post = session.post(url, data=body, headers=headers, allow_redirects=False)
+        if not request.stream:  # one deadline for the whole exchange
+            status, raw = await _guarded(_whole(post), first_byte)
+            if status != 200:
+                raise _status_error(status, raw)
+            yield _decoded(chunk_from_body, raw)
+            return
+        response = await _guarded(post, first_byte)
         complete = False  # the body was read to its end: the connection may be reused
         try:
             if response.status != 200:
                 raw = await _guarded(response.read(), deadline)
                 complete = True
                 raise _status_error(response.status, raw)
-            if not request.stream:
-                raw = await _guarded(response.read(), first_byte)
-                complete = True
-                yield _decoded(chunk_from_body, raw)
-                return
             async with contextlib.aclosing(_relay_sse(response, first_byte, deadline)) as chunks:
                 async for chunk in chunks:
-                    complete = chunk.done
                     yield chunk
+            complete = await _body_end(response, deadline)
         finally:
             if complete:
                 response.release()
             else:  # cut short (a client gone, an error): vLLM aborts the request
                 response.close()
+
+
+async def _body_end(response: aiohttp.ClientResponse, deadline: float) -> bool:
+    """After `[DONE]` (already relayed): whether the body's end arrived within a short grace,
+    so the connection can be reused. The engine sends it at once; reconnecting for every
+    stream instead costs a handshake each and, at high rates, SYNs dropped by a full
+    backlog (a 1 s retransmit). An engine that holds the stream open is closed on, no error.
+    """
+    if response.content.is_eof():
+        return True
+    grace = min(deadline, asyncio.get_running_loop().time() + DONE_GRACE_S)
+    try:
+        async with asyncio.timeout_at(grace):
+            while await response.content.readany():
+                pass  # nothing after [DONE] is relayed
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+    return True
+
+
+async def _whole(post: Any) -> tuple[int, bytes]:
+    """A non-streaming answer: status and body; the connection goes back to the pool, or is
+    closed when the read was cut short (vLLM then aborts the request)."""
+    async with post as response:
+        return response.status, await response.read()
 
 
 def _status_error(status: int, raw: bytes) -> EngineError:

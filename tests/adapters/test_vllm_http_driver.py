@@ -125,6 +125,18 @@ async def test_chat_stream_relayed_chunk_for_chunk(state) -> None:
     assert state.received[-1][3]["stream"] is True
 
 
+async def test_connections_are_kept_alive_after_answers_and_streams() -> None:
+    """Even when the body's end comes a little after [DONE], as it can from vLLM."""
+    state = Imitation(end_delay_s=0.05)
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    async with running(state) as driver:
+        for _ in range(2):
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+            chunks = await collect(driver, req(chat, route="chat", stream=True))
+            assert chunks[-1].done
+    assert len(state.peers) == 4 and len(set(state.peers)) == 1
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["nested-error", "pre-0.10.1-flat"])
 async def test_upstream_errors_pass_through(flat: bool) -> None:
     state = Imitation(flat_errors=flat)

@@ -62,7 +62,9 @@ class Imitation:
     head_delay_s: float = 0.0
     prompt_details: bool = True
     die_after_events: int | None = None  # a stream's connection is cut after this many
+    end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # each request's client address
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     recorded: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
 
@@ -96,6 +98,8 @@ def unrecorded_completion(body: dict[str, Any], prompt_details: bool) -> dict[st
 def build_app(state: Imitation) -> web.Application:
     async def log_request(request: web.Request) -> Any:
         raw = await request.read()
+        state.peers.append(request.transport.get_extra_info("peername")
+                           if request.transport else None)
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
@@ -148,6 +152,7 @@ def build_app(state: Imitation) -> web.Application:
         except (ConnectionResetError, asyncio.CancelledError):
             state.disconnected.set()
             raise
+        await asyncio.sleep(state.end_delay_s)
         await response.write_eof()
         return response
 
