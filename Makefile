@@ -24,9 +24,11 @@ serve: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The integration stage needs a real vLLM CPU server: installed (once) into its own venv.
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm.sh
 	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15

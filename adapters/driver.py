@@ -10,7 +10,7 @@ only through this protocol.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -54,13 +54,17 @@ class EngineDriver(Protocol):
     """
 
     capabilities: EngineCapabilities
-    cache_control: CacheControl
+
+    @property
+    def cache_control(self) -> CacheControl:
+        """The engine's cache controls (read-only: each driver has its own kind)."""
+        ...
 
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]: ...
+    def generate(self, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]: ...
 
     async def ready(self) -> bool:
         """Can take requests now (engine up, reachable, not overloaded)."""

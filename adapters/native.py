@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,12 +81,13 @@ class NativeDriver:
         )
 
     async def start(self) -> None:
-        engine = self._engine or await asyncio.to_thread(
-            LLMEngine.from_config, self.config.engine, KVEventRecorder(self.events),
-            self._loaded)
+        engine = self._engine
+        if engine is None:
+            engine = await asyncio.to_thread(LLMEngine.from_config, self.config.engine,
+                                             KVEventRecorder(self.events), self._loaded)
         self.engine = AsyncLLMEngine(engine, self.config.supervisor)
         await self.engine.start()
-        runner = engine.runner
+        runner = engine.model_runner
         self.serving = OpenAIServing(
             self.engine, runner.tokenizer, runner.chat_template,
             ServingConfig(self.config.served_model_name, engine.max_model_len,
@@ -110,7 +111,7 @@ class NativeDriver:
                               type="ServiceUnavailableError")
         return self.serving
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]:
         """The typed body straight to the serving layer: no second validation, the salt
         and priority as values."""
         serving = self._serving()

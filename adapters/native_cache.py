@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from adapters.cache_probe import probe_usage
@@ -37,7 +37,7 @@ class InProcessEngine(Protocol):
     engine: AsyncLLMEngine | None
     serving: OpenAIServing | None
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]: ...
+    def generate(self, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]: ...
 
 
 class NativeCacheControl:

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -128,11 +129,10 @@ def time_decode(triton_backend, rows: list[Row], copy_gbs: float) -> None:
         batch = make_paged_batch([1] * num_reqs, [ctx] * num_reqs, **shape, page_size=16,
                                  dtype=torch.bfloat16, device="cuda", seed=1)
         args = batch.attention_args()
-        t_triton = bench_ms(lambda a=args: triton_backend.paged_attention(*a))
+        t_triton = bench_ms(partial(triton_backend.paged_attention, *args))
         k, v = dense_kv(batch)
         q = batch.q.view(num_reqs, shape["num_q_heads"], 1, shape["head_dim"])
-        t_sdpa = bench_ms(lambda q=q, k=k, v=v, s=batch.scale: sdpa(q, k, v, scale=s,
-                                                                   enable_gqa=True))
+        t_sdpa = bench_ms(partial(sdpa, q, k, v, scale=batch.scale, enable_gqa=True))
         kv_bytes = 2 * k.numel() * k.element_size()
         io_bytes = 2 * batch.q.numel() * batch.q.element_size()
         gbs = (kv_bytes + io_bytes) / t_triton / 1e6
@@ -147,13 +147,13 @@ def time_prefill(triton_backend, rows: list[Row]) -> None:
         batch = make_paged_batch([n] * num_reqs, [n] * num_reqs, **SMOLLM2, page_size=16,
                                  dtype=torch.bfloat16, device="cuda", seed=2)
         args = batch.attention_args()
-        results = {bm: bench_ms(lambda a=args, bm=bm: triton_backend.paged_attention(
-            *a, block_m=bm, tile_n=64)) for bm in (16, 64, 128)}
+        results = {bm: bench_ms(partial(triton_backend.paged_attention, *args,
+                                            block_m=bm, tile_n=64)) for bm in (16, 64, 128)}
         k, v = dense_kv(batch)
         q = batch.q.view(num_reqs, n, 9, 64).transpose(1, 2)
-        t_sdpa = bench_ms(lambda q=q, k=k, v=v, s=batch.scale: sdpa(q, k, v, is_causal=True,
-                                                                   scale=s, enable_gqa=True))
-        best = min(results, key=results.get)
+        t_sdpa = bench_ms(partial(sdpa, q, k, v, is_causal=True, scale=batch.scale,
+                                 enable_gqa=True))
+        best = min(results, key=results.__getitem__)
         tried = ", ".join(f"block_m {bm}: {ms:.3f}" for bm, ms in results.items())
         rows.append(Row("prefill", f"smollm2 bf16 R={num_reqs} n={n}",
                         f"{results[best]:.3f} ms", f"{tried}; sdpa(dense, causal) {t_sdpa:.3f} ms"))

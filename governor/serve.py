@@ -218,8 +218,13 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
         create_key = True
         banner = (f"fak dev setup: tenant 'dev' API key: {api_key}\n"
                   f"fak dev setup: admin token: {admin_token}")
-    given = {"host": host, "port": port, "metrics_port": metrics_port}
-    server = replace(config.server, **{k: v for k, v in given.items() if v is not None})
+    server = config.server
+    if host is not None:
+        server = replace(server, host=host)
+    if port is not None:
+        server = replace(server, port=port)
+    if metrics_port is not None:
+        server = replace(server, metrics_port=metrics_port)
     if data_dir and config_path:
         server = replace(server, data_dir=Path(data_dir))
     config = replace(config, server=server)

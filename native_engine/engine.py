@@ -38,6 +38,7 @@ from native_engine.tiering import build_tiers
 
 if TYPE_CHECKING:
     from native_engine.model.loaded import LoadedModel
+    from native_engine.model.runner import ModelRunner
 
 log = logging.getLogger("fak.engine")
 
@@ -166,6 +167,17 @@ class LLMEngine:
 
         runner = ModelRunner(config.runner_config(), loaded)
         return cls(config, runner, runner.tokenizer, listener)
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The runner `from_config` builds: serving fronts read its tokenizer, chat template
+        and compute choice (a runner handed to `__init__` need have none of them)."""
+        from native_engine.model.runner import ModelRunner
+
+        if not isinstance(self.runner, ModelRunner):
+            raise TypeError(f"the engine runs on a {type(self.runner).__name__}, not a "
+                            "ModelRunner")
+        return self.runner
 
     # -- requests -----------------------------------------------------------------------
 

@@ -12,9 +12,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.kv_events import BlockHash
 from schemas.values import is_int
 
-BlockHash = int | bytes  # as the engine's KV events carry it
+__all__ = ["BlockHash"]  # re-exported: the records below name it
 
 
 class CacheControlUnsupported(RuntimeError):

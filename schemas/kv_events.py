@@ -1,15 +1,19 @@
-"""Normalised KV-cache events (docs/design.md §5). Hashes are uint64 (bytes folded, ints masked)."""
+"""KV-cache events (docs/design.md §5). A subscriber's are normalised: hashes uint64 (bytes
+folded, ints masked). A publisher's carry the engine's own digests (bytes for sha256_cbor)
+until the wire encodes them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+BlockHash = int | bytes  # as an engine's KV events carry it
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None = None
@@ -22,7 +26,7 @@ class BlockStored:
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
     group_idx: int | None = None
 

@@ -20,7 +20,7 @@ import contextlib
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,7 +229,7 @@ class FleetDriver:
 
     # --- generation -------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]:
         decision = self.route(request)
         if not decision.order:
             raise EngineError(503, "no upstream is up", type="ServiceUnavailable")

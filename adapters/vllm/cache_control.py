@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from adapters.cache_probe import probe_usage
@@ -46,7 +46,7 @@ class RiddenEngine(Protocol):
     fak_control: FakCacheControlClient | None
 
     def generate(self, request: EngineRequest,
-                 dp_rank: int | None = None) -> AsyncIterator[StreamChunk]: ...
+                 dp_rank: int | None = None) -> AsyncGenerator[StreamChunk, None]: ...
 
 
 class VLLMCacheControl:

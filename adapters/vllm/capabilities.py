@@ -64,7 +64,8 @@ class VLLMDeclarations:
 
 
 class KVProbe(Protocol):
-    has_replay: bool
+    @property
+    def has_replay(self) -> bool: ...
 
     async def wait_connected(self, timeout_s: float) -> bool: ...
 

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -326,7 +326,7 @@ class VLLMDriver:
         return dataclasses.asdict(window)
 
     async def generate(self, request: EngineRequest,
-                       dp_rank: int | None = None) -> AsyncIterator[StreamChunk]:
+                       dp_rank: int | None = None) -> AsyncGenerator[StreamChunk, None]:
         """The request on this engine; `dp_rank` pins a data-parallel rank (the
         `X-data-parallel-rank` header, as vLLM reads it)."""
         session = self._require_session()

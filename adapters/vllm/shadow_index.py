@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.salts import namespace_digest
-from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from schemas.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class ShadowIndex:
 
     def _root_attribution(self, event: BlockStored) -> Attribution:
         if event.parent_block_hash is not None:
-            parent = self._blocks.get(event.parent_block_hash)
+            parent = self._blocks.get(_uint64(event.parent_block_hash))
             if parent is None:
                 return Attribution(None, False)
             return Attribution(parent.namespace, parent.namespace_certain)
@@ -217,9 +217,9 @@ class ShadowIndex:
             return
         attribution = self._root_attribution(event)
         medium = event.medium or DEFAULT_MEDIUM
-        parent = event.parent_block_hash
+        parent = None if event.parent_block_hash is None else _uint64(event.parent_block_hash)
         chains = self._chains(event, attribution)
-        for i, block_hash in enumerate(event.block_hashes):
+        for i, block_hash in enumerate(map(_uint64, event.block_hashes)):
             self._add(block_hash, parent, attribution, event.block_size, medium, chains[i])
             parent = block_hash
 
@@ -232,7 +232,7 @@ class ShadowIndex:
         if event.parent_block_hash is None:
             key: bytes | None = namespace_root(attribution.namespace)
         else:
-            parent = self._blocks.get(event.parent_block_hash)
+            parent = self._blocks.get(_uint64(event.parent_block_hash))
             key = None if parent is None else parent.chain
         chains: list[bytes | None] = []
         for i in range(count):
@@ -279,7 +279,7 @@ class ShadowIndex:
         self._file(info)
 
     def _remove(self, event: BlockRemoved) -> None:
-        for block_hash in event.block_hashes:
+        for block_hash in map(_uint64, event.block_hashes):
             self._drop_medium(block_hash, event.medium or DEFAULT_MEDIUM)
 
     def _drop_medium(self, block_hash: int, medium: str) -> None:
@@ -337,3 +337,10 @@ class ShadowIndex:
             info = self._blocks.get(block_hash)
             assert info is not None and info.chain == key and info.namespace_certain, (
                 f"chain key of {block_hash} stale")
+
+
+def _uint64(block_hash: BlockHash) -> int:
+    """A subscriber's events are normalised (the decoder folds bytes to uint64)."""
+    if not isinstance(block_hash, int):
+        raise TypeError(f"un-normalised block hash {block_hash!r} reached the shadow index")
+    return block_hash

@@ -77,8 +77,8 @@ class GuardedProtocol(asyncio.Protocol):
             self._arm()
         self.inner.data_received(data)
 
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
+    def eof_received(self) -> None:  # aiohttp's handler returns None: close on EOF
+        self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
@@ -173,7 +173,7 @@ async def _settle(pending: asyncio.Future[Any] | None) -> None:
 
 
 async def relay_once(relay: Relay, engine_request: EngineRequest) -> web.Response:
-    chunks: AsyncIterator[StreamChunk] = relay.gov.driver.generate(engine_request)
+    chunks: AsyncGenerator[StreamChunk, None] = relay.gov.driver.generate(engine_request)
     try:
         chunk = await anext(chunks)
     except APIError as err:
@@ -183,7 +183,7 @@ async def relay_once(relay: Relay, engine_request: EngineRequest) -> web.Respons
         relay.finish("client_disconnect")
         raise
     finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await chunks.aclose()
     relay.saw(chunk)
     relay.finish("ok")
     if chunk.raw is not None:

@@ -65,7 +65,7 @@ async def fleet_rotation(gov: Rotator, members: Sequence[CacheMember], tenant: s
         if member.up:
             await positive_control(member.cache_control, member.capabilities, tenant,
                                    old_salt, probe, 0, config, entry.facts)
-    rotated = gov.rotate(tenant, actor=actor).event.evidence
+    rotated = (await gov.rotate(tenant, actor=actor)).event.evidence
     assert rotated is not None
     new_salt = gov.salt_for(tenant)
     for member, entry in zip(members, out, strict=True):

@@ -140,6 +140,7 @@ def attend(
     if step.decode_valid is not None and step.decode_rows is None:  # decodes only
         return _batched_decode(q, k_cache, v_cache, step, scale)
     if step.decode_valid is None and len(step.prefills) == 1 and step.prefills[0].blocks is None:
+        assert k is not None and v is not None  # a fresh prompt brings its own k, v
         return _attention(q, k, v, None, scale, causal=True)  # one fresh prompt: cold TTFT
     out = torch.empty_like(q)
     if step.decode_valid is not None:
@@ -147,6 +148,7 @@ def attend(
         out[rows] = _batched_decode(q[rows], k_cache, v_cache, step, scale)
     for p in step.prefills:
         if p.blocks is None:
+            assert k is not None and v is not None
             out[p.lo : p.hi] = _attention(q[p.lo : p.hi], k[p.lo : p.hi], v[p.lo : p.hi], None,
                                           scale, causal=True)
         else:

@@ -66,12 +66,13 @@ class ZmqEventPublisher:
         )
         self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self._buffer_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._next_seq = 0
-        self._closed = False
-        self.send_errors = 0
-        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._buffer_lock: threading.Lock = threading.Lock()
+        self._lock: threading.Lock = threading.Lock()
+        self._next_seq: int = 0
+        self._closed: bool = False
+        self.send_errors: int = 0
+        self._thread: threading.Thread = threading.Thread(
+            target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
     def _open_sockets(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -169,7 +169,7 @@ class OpenAIServing:
                         bool(options is not None and options.include_usage))
 
     async def generate(self, prepared: Prepared, request_id: str
-                       ) -> AsyncIterator[StreamChunk]:
+                       ) -> AsyncGenerator[StreamChunk, None]:
         """Run a prepared request: one full response, or stream chunks then the done one."""
         route, ids, params = prepared.route, prepared.prompt_ids, prepared.params
         stream, include_usage = prepared.stream, prepared.include_usage
@@ -203,8 +203,8 @@ class OpenAIServing:
             raise bad_request(str(exc), None) from None
         finally:
             if observer is not None:
-                finished = last is not None and last.finished
-                observer.on_finish((last.finish_reason or "stop") if finished else "abort")
+                observer.on_finish((last.finish_reason or "stop")
+                                   if last is not None and last.finished else "abort")
         assert last is not None  # generate() always ends with a finished output
         done = Completion("".join(text), last.finish_reason, last.num_prompt_tokens,
                           last.num_output_tokens, last.cached_tokens, last.stop_reason,

@@ -117,9 +117,9 @@ async def _start_rank(spec: RankSpec, rank: int, loaded: LoadedModel | None) -> 
     await engine.start()
     metrics = ServerMetrics(spec.model_name, CacheInfo(
         llm.config.block_size, llm.config.num_blocks, llm.cache is not None), rank,
-        compute=llm.runner.compute.labels())
+        compute=llm.model_runner.compute.labels())
     serving = OpenAIServing(
-        engine, llm.runner.tokenizer, llm.runner.chat_template,
+        engine, llm.model_runner.tokenizer, llm.model_runner.chat_template,
         ServingConfig(spec.model_name, llm.max_model_len,
                       prompt_tokens_details=spec.prompt_tokens_details,
                       priority_enabled=spec.priority_enabled,

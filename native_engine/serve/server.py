@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -266,7 +266,7 @@ class EngineServer:
                 return await self._stream(request, first, events)
 
     async def _stream(self, request: web.Request, first: StreamChunk,
-                      events: AsyncIterator[StreamChunk]) -> web.StreamResponse:
+                      events: AsyncGenerator[StreamChunk, None]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)

@@ -15,6 +15,7 @@ from governor.auth import sha256_hex
 from governor.config import ConfigError, parse_config
 from governor.serve import build_driver, build_governor
 from native_engine.config import EngineConfig
+from policies.salts import SaltKey
 from tests.native_engine.tiny_model import random_model
 
 from .server_thread import ServerThread
@@ -68,7 +69,7 @@ def test_a_ridden_engine_cannot_promise_a_share(tmp_path: Path) -> None:
                            "engine": {"kind": "vllm", "base_url": "http://127.0.0.1:9"},
                            "tenants": tenants(0.5)})
     with pytest.raises(ConfigError, match="capacity isolation"):
-        build_driver(config)
+        build_driver(config, SaltKey(b"k" * 32))
     with pytest.raises(ConfigError, match="cache_share"):
         parse_config({"server": {"data_dir": str(tmp_path)},
                       "tenants": [{**t, "cache_share": 0.6} for t in tenants(None)]})

@@ -77,7 +77,8 @@ def test_every_medium_is_published_and_rebuilt(ctx: zmq.Context, tmp_path: Path)
         want = engine_view(engine)
         assert {"GPU", "CPU", "DISK"} <= want.keys()
         assert by_medium(index) == want
-        assert not index.uncertain() and set(index.namespaces()) == set(prompts)
+        assert not index.uncertain() and set(index.namespaces()) == {
+            index.namespace_id(salt) for salt in prompts}
         stats = {s.medium: s for s in engine.stats().tiers}
         assert stats["CPU"].promotions + stats["DISK"].promotions > 0
 
@@ -86,7 +87,7 @@ def test_every_medium_is_published_and_rebuilt(ctx: zmq.Context, tmp_path: Path)
         assert removal.ok
         index = index_from_replay(ctx, pub.replay_address, pub.next_seq)
         assert by_medium(index) == engine_view(engine)
-        assert "tenant-a" not in index.namespaces()
+        assert index.namespace_id("tenant-a") not in index.namespaces()
 
         metrics = ServerMetrics("tiny", CacheInfo(BS, 10, True))
         metrics.update(engine.stats())
