@@ -239,7 +239,7 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop where it is installed (its transports and scheduling cost the
-    governor's hot path less: docs/operations.md, issue 19), else asyncio's own."""
+    governor's hot path less: issue 19, bench/line_rate.py), else asyncio's own."""
     try:
         import uvloop
     except ImportError:

@@ -253,6 +253,35 @@ async def test_engine_dying_mid_stream_is_a_502_after_the_chunks_so_far() -> Non
     assert len(got) == 2 and not any(c.done for c in got)
 
 
+@pytest.mark.parametrize("cut", ["die_after_events", "cut_stream_after"])
+async def test_a_stream_cut_short_makes_the_next_request_wait_for_a_re_probe(cut: str) -> None:
+    """A connection reset or closed mid-stream may mean a new engine (SEC-16): the next
+    request is sent only after a re-probe passed."""
+    state = Imitation()
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    async with running(state, caps=None, reprobe_interval_s=0.0) as driver:
+        assert driver.probes == 1
+        setattr(state, cut, 2)
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req(chat, route="chat", stream=True))
+        assert err.value.status == 502
+        setattr(state, cut, None)
+        assert await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        assert driver.probes == 2
+
+
+async def test_a_timeout_is_not_a_lost_connection() -> None:
+    state = Imitation()
+    async with running(state, caps=None, first_byte_timeout_s=0.3) as driver:
+        state.head_delay_s = 0.6
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        assert err.value.status == 504
+        state.head_delay_s = 0.0
+        assert await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        assert driver.probes == 1
+
+
 @contextlib.asynccontextmanager
 async def canned(status: int, text: str, headers: dict[str, str]):
     """A real server answering every generation with these bytes; every path asked is
