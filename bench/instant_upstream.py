@@ -3,7 +3,10 @@
 Benchmark tool only (docs/reference/benchmarking.md §7: a mock upstream keeps the engine from
 dominating); the governor's correctness is tested against real engines. Answers /v1/models,
 /metrics, /health and both generation routes, streaming or not, in vLLM 0.32's shapes, at
-once. `fak bench overhead --engine` points at it to measure the governor alone
+once. It passes the governor's isolation probes as a vLLM does (SEC-16): `/version`,
+`vllm:cache_config_info` with a SHA-256 hash, vLLM's `cache_salt` validation, and
+`cached_tokens` for a repeated prompt under the same salt (whole blocks; a bounded memory of
+recent prompts). `fak bench overhead --engine` points at it to measure the governor alone
 (docs/benchmarks.md); it stays out of the package because serving fake answers is not a
 product feature.
 
@@ -15,24 +18,61 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import OrderedDict
 
 from aiohttp import web
 
 MODEL = "smollm2"
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4096
+REMEMBERED_PROMPTS = 4096
+CACHE_CONFIG = (f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",enable_prefix_caching="True",'
+                f'engine="0",num_gpu_blocks="{NUM_BLOCKS}",'
+                'prefix_caching_hash_algo="sha256_cbor"} 1.0\n')
+SALT_RULE = ("Parameter 'cache_salt' must be a non-empty string of at most 128 characters "
+             "without '@', '/', '\\' or NUL. (parameter=cache_salt)")
 
 
-def _usage(prompt: int, completion: int) -> dict:
+def _usage(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": None,
+            "prompt_tokens_details": {"cached_tokens": cached, "created_cache_tokens": None,
                                       "multimodal_tokens": None}}
 
 
+def _bad_salt(salt: object) -> bool:
+    return salt is not None and (not isinstance(salt, str) or not salt.strip()
+                                 or len(salt) > 128 or any(c in salt for c in "@/\\\0"))
+
+
+class PrefixMemory:
+    """Recent (salt, prompt) pairs: a repeat reports its whole blocks as cached."""
+
+    def __init__(self) -> None:
+        self.seen: OrderedDict[str, None] = OrderedDict()
+
+    def cached(self, body: dict, prompt_tokens: int) -> int:
+        key = json.dumps([body.get("cache_salt"), body.get("messages") or body.get("prompt")])
+        hit = key in self.seen
+        self.seen[key] = None
+        self.seen.move_to_end(key)
+        while len(self.seen) > REMEMBERED_PROMPTS:
+            self.seen.popitem(last=False)
+        return (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE if hit else 0
+
+
 def build_app(chunks: int) -> web.Application:
+    memory = PrefixMemory()
+
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if _bad_salt(body.get("cache_salt")):
+            return web.json_response({"error": {"message": SALT_RULE, "type": "BadRequestError",
+                                                "param": "cache_salt", "code": 400}},
+                                     status=400)
         chat = request.path.endswith("chat/completions")
-        prompt = len(json.dumps(body.get("messages") or body.get("prompt"))) // 4
+        prompt = max(1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4)
+        cached = memory.cached(body, prompt)
         n = int(body.get("max_tokens") or chunks)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -42,7 +82,7 @@ def build_app(chunks: int) -> web.Application:
                       {"index": 0, "text": "x" * n, "finish_reason": "length"})
             return web.json_response({"id": "cmpl-1", "object": obj, "created": created,
                                       "model": MODEL, "choices": [choice],
-                                      "usage": _usage(prompt, n)})
+                                      "usage": _usage(prompt, n, cached)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         obj += ".chunk" if chat else ""
@@ -54,7 +94,7 @@ def build_app(chunks: int) -> web.Application:
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"id": "cmpl-1", "object": obj, "created": created, "model": MODEL,
-                     "choices": [], "usage": _usage(prompt, n)}
+                     "choices": [], "usage": _usage(prompt, n, cached)}
             await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -65,7 +105,10 @@ def build_app(chunks: int) -> web.Application:
             "parent": None, "max_model_len": 2048, "permission": []}]})
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text="# no engine metrics\n")
+        return web.Response(text="# TYPE vllm:cache_config_info gauge\n" + CACHE_CONFIG)
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32.0"})
 
     async def health(request: web.Request) -> web.Response:
         return web.Response()
@@ -76,6 +119,7 @@ def build_app(chunks: int) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
     return app
 
 
