@@ -28,6 +28,29 @@ class ServingCollector(Collector):
             yield family
 
 
+class TenantMeters:
+    """One tenant's labelled series, looked up once: `labels()` takes a lock and builds its
+    key on every call, which the hot path need not pay per request."""
+
+    def __init__(self, metrics: GovernorMetrics, tenant: str, tenant_class: str) -> None:
+        self._requests_of = metrics.requests
+        self._tenant = tenant
+        self._requests: dict[tuple[str, str], Counter] = {}  # (route, outcome): bounded
+        self.prompt_tokens = metrics.prompt_tokens.labels(tenant)
+        self.completion_tokens = metrics.completion_tokens.labels(tenant)
+        self.cached_tokens = metrics.cached_tokens.labels(tenant)
+        self.ttft = metrics.ttft.labels(tenant)
+        self.e2e = metrics.e2e.labels(tenant)
+        self.admission_wait = metrics.admission_wait.labels(tenant_class)
+
+    def requests(self, route: str, outcome: str) -> Counter:
+        child = self._requests.get((route, outcome))
+        if child is None:
+            child = self._requests[(route, outcome)] = self._requests_of.labels(
+                self._tenant, route, outcome)
+        return child
+
+
 SYNC_STATES = ("synced", "uncertain", "stale")
 RANK_GAUGES = (("in_flight", "fak_upstream_in_flight_requests", "Requests the governor has "
                 "in flight on the rank."),
@@ -128,6 +151,14 @@ class GovernorMetrics:
         r.register(self.serving)
         if fleet is not None:
             r.register(FleetCollector(fleet))
+        self._meters: dict[str, TenantMeters] = {}
+
+    def for_tenant(self, tenant: str, tenant_class: str) -> TenantMeters:
+        """The tenant's series (configured tenants only reach here: the memo is bounded)."""
+        meters = self._meters.get(tenant)
+        if meters is None:
+            meters = self._meters[tenant] = TenantMeters(self, tenant, tenant_class)
+        return meters
 
     def set_serving(self, values: Mapping[str, float | int | None] | None) -> None:
         """The engine's last window; None (a failed scrape) drops it rather than show stale

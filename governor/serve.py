@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -231,5 +232,16 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
     gov = build_governor(config, driver, create_key)
     if banner:
         print(banner, flush=True)
-    asyncio.run(run_governor(gov, server))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(run_governor(gov, server))
     return 0
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (its transports and scheduling cost the
+    governor's hot path less: issue 19, bench/line_rate.py), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

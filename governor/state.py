@@ -27,8 +27,9 @@ from schemas.openai import RequestInvalid, Route, load_json
 class Governor:
     """Everything a request needs, built once at start-up.
 
-    Salts are derived per request from the key and the tenant's current epoch, so a rotation
-    takes effect on the very next request and no salt is ever stored.
+    Salts are derived from the key and the tenant's current epoch, read on every request,
+    so a rotation takes effect on the very next request; a derived salt is kept in memory
+    only beside the epoch it was derived for, and never written anywhere.
     """
 
     def __init__(self, config: GovernorConfig, driver: EngineDriver, salt_key: SaltKey,
@@ -50,6 +51,7 @@ class Governor:
         self.audit_counters = AuditCounters(config.audit.summary_interval_s, audit.refusal)
         self.quarantine_store: QuarantineStore | None = None  # shared records (postgres)
         self.draining = False
+        self._salts: dict[str, tuple[int, str]] = {}  # tenant → (epoch, its salt)
 
     def _inputs(self, tenant: TenantConfig) -> PipelineInputs:
         server = self.config.server
@@ -59,7 +61,13 @@ class Governor:
                               server.client_cache_salt)
 
     def salt_for(self, tenant_id: str) -> str:
-        return tenant_salt(self.salt_key, tenant_id, self.epochs.get(tenant_id))
+        epoch = self.epochs.get(tenant_id)
+        known = self._salts.get(tenant_id)
+        if known is None or known[0] != epoch:
+            known = (epoch, tenant_salt(self.salt_key, tenant_id, epoch))
+            if tenant_id in self.inputs:  # configured tenants only: the memo stays bounded
+                self._salts[tenant_id] = known
+        return known[1]
 
     def prepare(self, tenant: TenantConfig, route: Route, value: Any,
                 request_id: str) -> Prepared:

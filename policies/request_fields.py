@@ -171,8 +171,9 @@ def check_bounds(body: AnyRequest, rules: FieldRules, max_tokens: int) -> None:
     _range(body.repetition_penalty, "repetition_penalty", 0.0, 2.0, low_open=True)
     _int_range(body.top_k, "top_k", -1, INT64_MAX)
     _int_range(body.seed, "seed", -INT64_MAX - 1, INT64_MAX)
-    for name in ("max_tokens", "max_completion_tokens"):
-        _int_range(getattr(body, name, None), name, 1, INT64_MAX)
+    _int_range(body.max_tokens, "max_tokens", 1, INT64_MAX)
+    if isinstance(body, ChatRequest):  # typed branches: a missing attribute is slow
+        _int_range(body.max_completion_tokens, "max_completion_tokens", 1, INT64_MAX)
     _int_range(body.min_tokens, "min_tokens", 0, max_tokens)
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     _count(stops, "stop", lim.max_stop)
@@ -194,11 +195,11 @@ def check_bounds(body: AnyRequest, rules: FieldRules, max_tokens: int) -> None:
         raise FieldRefused(f"'user' is at most {lim.max_user_chars} characters", "user")
     # One choice per request: per-choice accounting and cache probes assume it.
     _int_range(body.n, "n", 1, 1)
-    _int_range(getattr(body, "best_of", None), "best_of", 1, 1)
-    logprobs = getattr(body, "top_logprobs", None) if isinstance(body, ChatRequest) \
-        else body.logprobs
-    name = "top_logprobs" if isinstance(body, ChatRequest) else "logprobs"
-    _int_range(logprobs, name, 0, lim.max_logprobs)
+    if isinstance(body, ChatRequest):
+        _int_range(body.top_logprobs, "top_logprobs", 0, lim.max_logprobs)
+    else:
+        _int_range(body.best_of, "best_of", 1, 1)
+        _int_range(body.logprobs, "logprobs", 0, lim.max_logprobs)
 
 
 def check_messages(body: ChatRequest, rules: FieldRules) -> None:

@@ -3,9 +3,14 @@
 Every generation request carries the governor's `cache_salt` (a request without one is
 refused before sending); `priority` is sent only when the engine declared priority
 scheduling, and a client-supplied one is always dropped. Streams are relayed one SSE event per
-chunk. Upstream errors keep vLLM's status and error JSON; transport failures become 502/504.
-Closing the generator (client disconnect) closes the upstream response, which makes vLLM
-abort the request. Redirects are never followed (they could leave the allowlist).
+chunk. Upstream errors keep vLLM's status and error JSON; transport failures become 502
+(refused, reset, cut short) or 504 (timeouts). Closing the generator (client disconnect)
+closes the upstream connection, which makes vLLM abort the request. Redirects are never
+followed (they could leave the allowlist).
+
+Generation rides one long-lived aiohttp session per upstream (sized keep-alive pool, no
+cookie jar): its pool does constant work per request, where httpx's grows with the pool
+(issue 19). Capability probes and the control plane (health, models, metrics) stay on httpx.
 
 Upstream isolation is probed, not assumed (SEC-16): `start()` probes the capabilities
 (adapters/vllm/capabilities.py) and refuses; after a reconnect — a refused or broken
@@ -19,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
-from httpx_sse import EventSource, SSEError
+from yarl import URL
 
 from schemas.engine import EngineCapabilities, EngineError, EngineRequest, StreamChunk
 
@@ -35,21 +42,25 @@ from .dev_control import VLLMDevControl
 from .fak_control import FakCacheControlClient
 from .kv_subscriber import KVEventSubscriber
 from .metrics import MetricsParseError, MetricsScrapeError, MetricsSnapshot, scrape, serving_metrics
-from .sse import MalformedUpstreamError, chunk_from_body, chunk_from_event_data
+from .sse import MalformedUpstreamError, SSEFramer, chunk_from_body, chunk_from_event_data
 from .upstream_errors import error_from_body, timed_out, unavailable
-from .urls import EngineURLs
+from .urls import EngineURLs, ForbiddenURLError
 
 T = TypeVar("T")
 RANK_HEADER = "X-data-parallel-rank"
+DONE_GRACE_S = 1.0  # after [DONE], how long the body's end is awaited (see _body_end)
 
 
 @dataclass(frozen=True, slots=True)
 class VLLMHTTPConfig:
     """How to reach the engine.
 
-    `first_byte_timeout_s` bounds the wait for the response head and, for streams, the first
-    SSE event; a non-streaming response arrives whole, so it bounds the whole generation
-    there. `total_timeout_s` bounds every upstream read of one request from its start.
+    `first_byte_timeout_s` bounds the wait for the response head (a free pooled connection
+    included) and, for streams, the first SSE event; a non-streaming response arrives whole,
+    so it bounds the whole generation there. `total_timeout_s` bounds every upstream read of
+    one request from its start. `keepalive_s` is how long an idle pooled connection is kept:
+    below the engine's own idle timeout (uvicorn's 5 s under vLLM), so a request never
+    lands on a connection the engine is closing.
     """
 
     base_url: str
@@ -61,12 +72,13 @@ class VLLMHTTPConfig:
     probe_timeout_s: float = 120.0
     reprobe_interval_s: float = 1.0
     metrics_url: str | None = None
+    keepalive_s: float = 4.0
 
     def __post_init__(self) -> None:
         EngineURLs(self.base_url)
         self.metrics_urls()
         if min(self.connect_timeout_s, self.first_byte_timeout_s, self.total_timeout_s,
-               self.probe_timeout_s) <= 0:
+               self.probe_timeout_s, self.keepalive_s) <= 0:
             raise ValueError("timeouts must be positive")
         if self.reprobe_interval_s < 0:
             raise ValueError("reprobe_interval_s must be >= 0")
@@ -102,6 +114,22 @@ def forwarded_body(
     return body
 
 
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The JSON bytes sent upstream (the same bytes httpx's `json=` wrote)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
+def open_session(config: VLLMHTTPConfig, headers: dict[str, str]) -> aiohttp.ClientSession:
+    """The generation session: one per upstream, for the driver's life."""
+    connector = aiohttp.TCPConnector(limit=config.max_connections, limit_per_host=0,
+                                     keepalive_timeout=config.keepalive_s)
+    return aiohttp.ClientSession(
+        connector=connector, headers=headers, cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s),
+        trust_env=False, raise_for_status=False)
+
+
 class VLLMDriver:
     """EngineDriver for a ridden vLLM. `start()` probes capabilities unless given."""
 
@@ -124,7 +152,9 @@ class VLLMDriver:
         self.dev_control = reset_route
         self.fak_control = fak_control
         self.cache_control = VLLMCacheControl(self)
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._generation_urls = {route: URL(str(self.urls.generation(route).url), encoded=True)
+                                 for route in ("chat", "completions")}
         self._control: ControlPlane | None = None
         self._last_metrics: MetricsSnapshot | None = None
         self.capabilities = capabilities or EngineCapabilities(
@@ -136,22 +166,12 @@ class VLLMDriver:
         self._kv_restarts = 0
         self.refusal: str | None = None
         self.probes = 0
+        self._headers = ({"Authorization": f"Bearer {config.api_key}"} if config.api_key
+                         else {})
 
     async def start(self) -> None:
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=self.config.connect_timeout_s,
-                read=None,
-                write=self.config.connect_timeout_s,
-                pool=self.config.first_byte_timeout_s,
-            ),
-            limits=httpx.Limits(max_connections=self.config.max_connections),
-            headers=headers,
-            follow_redirects=False,
-            trust_env=False,
-        )
-        self._control = ControlPlane(self.urls, headers)
+        self._session = open_session(self.config, self._headers)
+        self._control = ControlPlane(self.urls, self._headers)
         if self.kv is not None:
             await self.kv.start()
         if self._given_capabilities is None:
@@ -162,10 +182,11 @@ class VLLMDriver:
         self._last_probe_at = asyncio.get_running_loop().time()
         kv_restarts = self._kv_restart_count()
         try:
-            async with asyncio.timeout(self.config.probe_timeout_s):
+            async with asyncio.timeout(self.config.probe_timeout_s), \
+                    self._probe_client() as client:
                 capabilities = await probe_capabilities(
-                    self._require_client(), self.urls, self._declarations, self.kv,
-                    self.dev_control, self.metrics_urls)
+                    client, self.urls, self._declarations, self.kv, self.dev_control,
+                    self.metrics_urls)
         except TimeoutError:
             raise CapabilityRefusedError(
                 f"capability probe took over {self.config.probe_timeout_s}s") from None
@@ -179,6 +200,15 @@ class VLLMDriver:
         self._kv_restarts = kv_restarts
         self._needs_probe = False
         self.refusal = None
+
+    def _probe_client(self) -> httpx.AsyncClient:
+        """A probe's own client, closed after it (a one-token completion may take a while;
+        probes are rare: start-up, then at most one per `reprobe_interval_s`)."""
+        c = self.config
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=c.connect_timeout_s, read=c.first_byte_timeout_s,
+                                  write=c.connect_timeout_s, pool=c.first_byte_timeout_s),
+            headers=self._headers, follow_redirects=False, trust_env=False)
 
     def _kv_restart_count(self) -> int:
         return sum(self.kv.restarts(r) for r in self.kv.ranks()) if self.kv else 0
@@ -220,21 +250,21 @@ class VLLMDriver:
             notes=(*capabilities.notes, "exact_span_evict probed on the fak control route"))
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         if self._control is not None:
             await self._control.close()
             self._control = None
         if self.kv is not None:
             await self.kv.close()
 
-    def _require_client(self) -> httpx.AsyncClient:
-        if self._client is None:
+    def _require_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
             raise EngineError(
                 status=503, message="vLLM driver not started", type="ServiceUnavailable"
             )
-        return self._client
+        return self._session
 
     def _require_control(self) -> ControlPlane:
         if self._control is None:
@@ -258,7 +288,7 @@ class VLLMDriver:
 
     async def alive(self) -> bool:
         """The driver is up; whether vLLM answers is readiness, not this process's life."""
-        return self._client is not None
+        return self._session is not None
 
     async def models(self) -> dict[str, Any]:
         control = self._require_control()
@@ -299,46 +329,91 @@ class VLLMDriver:
                        dp_rank: int | None = None) -> AsyncGenerator[StreamChunk, None]:
         """The request on this engine; `dp_rank` pins a data-parallel rank (the
         `X-data-parallel-rank` header, as vLLM reads it)."""
-        client = self._require_client()
+        session = self._require_session()
         await self.ensure_probed()
-        endpoint = self.urls.generation(request.route)
-        body = forwarded_body(
-            request, self.capabilities.priority_scheduling, self.capabilities.model_id
-        )
+        url = self._generation_urls.get(request.route)
+        if url is None:
+            raise ForbiddenURLError(f"unknown generation route {request.route!r}")
+        body = encode_body(forwarded_body(
+            request, self.capabilities.priority_scheduling, self.capabilities.model_id))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.total_timeout_s
         first_byte = min(deadline, loop.time() + self.config.first_byte_timeout_s)
-        headers = {"X-Request-Id": request.request_id}
+        headers = {"Content-Type": "application/json", "X-Request-Id": request.request_id}
         if dp_rank is not None:
             headers[RANK_HEADER] = str(dp_rank)
-        upstream = client.build_request(endpoint.method, endpoint.url, json=body,
-                                        headers=headers)
+        post = session.post(url, data=body, headers=headers, allow_redirects=False)
         try:
-            response = await _guarded(client.send(upstream, stream=True), first_byte)
-        except EngineError as exc:
-            if _connection_lost(exc):
-                self.mark_reconnect()
-            raise
-        try:
-            if response.status_code != 200:
-                raise _status_error(
-                    response.status_code, await _guarded(response.aread(), deadline)
-                )
-            if not request.stream:
-                yield _decoded(chunk_from_body, await _guarded(response.aread(), first_byte))
+            if not request.stream:  # one deadline for the whole exchange
+                yield await _answer(post, first_byte)
                 return
+            response = await _guarded(post, first_byte)
+        except EngineError as exc:
+            self._note_lost(exc)
+            raise
+        complete = False  # the body was read to its end: the connection may be reused
+        try:
+            if response.status != 200:
+                raw = await _guarded(response.read(), deadline)
+                complete = True
+                raise _status_error(response.status, raw)
             async with contextlib.aclosing(_relay_sse(response, first_byte, deadline)) as chunks:
                 async for chunk in chunks:
                     yield chunk
+            complete = await _body_end(response, deadline)
+        except EngineError as exc:
+            self._note_lost(exc)
+            raise
         finally:
-            await response.aclose()
+            if complete:
+                response.release()
+            else:  # cut short (a client gone, an error): vLLM aborts the request
+                response.close()
+
+    def _note_lost(self, exc: EngineError) -> None:
+        """A lost connection (refused, reset, cut short; not a timeout): the engine may be a
+        new one, so it is re-probed before its next request."""
+        if _connection_lost(exc):
+            self.mark_reconnect()
+
+
+async def _body_end(response: aiohttp.ClientResponse, deadline: float) -> bool:
+    """After `[DONE]` (already relayed): whether the body's end arrived within a short grace,
+    so the connection can be reused. The engine sends it at once; reconnecting for every
+    stream instead costs a handshake each and, at high rates, SYNs dropped by a full
+    backlog (a 1 s retransmit). An engine that holds the stream open is closed on, no error.
+    """
+    if response.content.is_eof():
+        return True
+    grace = min(deadline, asyncio.get_running_loop().time() + DONE_GRACE_S)
+    try:
+        async with asyncio.timeout_at(grace):
+            while await response.content.readany():
+                pass  # nothing after [DONE] is relayed
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+    return True
+
+
+async def _answer(post: Any, deadline: float) -> StreamChunk:
+    """A non-streaming answer, whole by `deadline`."""
+    status, raw = await _guarded(_whole(post), deadline)
+    if status != 200:
+        raise _status_error(status, raw)
+    return _decoded(chunk_from_body, raw)
+
+
+async def _whole(post: Any) -> tuple[int, bytes]:
+    """A non-streaming answer: status and body; the connection goes back to the pool, or is
+    closed when the read was cut short (vLLM then aborts the request)."""
+    async with post as response:
+        return response.status, await response.read()
 
 
 def _connection_lost(exc: EngineError) -> bool:
-    """A refused, reset or broken connection (not a timeout): the engine may be new."""
-    cause = exc.__cause__
-    return isinstance(cause, httpx.TransportError) and not isinstance(
-        cause, httpx.TimeoutException)
+    """A refused, reset or broken connection (not a timeout: `_guarded` made those 504s,
+    whatever their cause): the engine may be new."""
+    return exc.status == 502 and isinstance(exc.__cause__, aiohttp.ClientError)
 
 
 def _status_error(status: int, raw: bytes) -> EngineError:
@@ -355,40 +430,50 @@ def _decoded(decode: Any, raw: Any) -> StreamChunk:
 
 
 async def _relay_sse(
-    response: httpx.Response, first_byte: float, deadline: float
+    response: aiohttp.ClientResponse, first_byte: float, deadline: float
 ) -> AsyncGenerator[StreamChunk, None]:
     """One chunk per SSE data event, through `[DONE]`; a stream cut short is a 502."""
-    events = EventSource(response).aiter_sse()
+    content_type = response.headers.get("Content-Type", "").partition(";")[0]
+    if "text/event-stream" not in content_type:
+        raise unavailable(f"not an SSE stream: Content-Type is {content_type!r}")
+    framer = SSEFramer()
     waiting_for = first_byte
-    try:
-        while True:
-            event = await _guarded(anext(events, None), waiting_for)
+    while True:
+        data = await _guarded(response.content.readany(), waiting_for)
+        for event in framer.feed(data) if data else framer.close():
             waiting_for = deadline
-            if event is None:
-                raise unavailable("stream ended without [DONE]")
             if not event.data:
                 continue
             chunk = _decoded(chunk_from_event_data, event.data)
             yield chunk
             if chunk.done:
                 return
-    except SSEError as exc:
-        raise unavailable(f"not an SSE stream: {exc}") from exc
-    finally:
-        await events.aclose()
+        if not data:
+            raise unavailable("stream ended without [DONE]")
 
 
 async def _guarded(awaitable: Awaitable[T], deadline: float) -> T:
-    """Await an upstream step by `deadline`, mapping transport failures to EngineError."""
+    """Await an upstream step by `deadline`, mapping transport failures to EngineError:
+    every timeout is a 504 (a connect that timed out in the kernel too), every other
+    transport failure a 502 — aiohttp's on the generation path, httpx's on the control
+    plane."""
     try:
         async with asyncio.timeout_at(deadline):
             return await awaitable
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise timed_out("connect timed out") from exc
+    except aiohttp.ClientConnectorError as exc:
+        if isinstance(exc.os_error, TimeoutError):
+            raise timed_out("connect timed out") from exc
+        raise unavailable(type(exc).__name__) from exc
     except TimeoutError as exc:
         raise timed_out("no answer within the configured timeout") from exc
+    except aiohttp.ClientError as exc:
+        # The class name only: the exception text can carry the upstream's address.
+        raise unavailable(type(exc).__name__) from exc
     except httpx.ConnectTimeout as exc:
         raise timed_out("connect timed out") from exc
     except httpx.TimeoutException as exc:
         raise timed_out(type(exc).__name__) from exc
     except httpx.TransportError as exc:
-        # The class name only: the exception text can carry the upstream's address.
         raise unavailable(type(exc).__name__) from exc

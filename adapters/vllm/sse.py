@@ -1,15 +1,20 @@
 """SSE events and response bodies from vLLM as `StreamChunk`s (docs/reference/vllm-surfaces.md
 §1.5-1.6).
 
-The SSE framing itself is parsed by httpx-sse; this module only turns each event's data into
-a chunk, unchanged: the role-only first chunk, content chunks, the usage chunk
-(`choices: []`), an in-stream `{"error": ...}` event and `[DONE]` are all relayed one to one.
+The SSE framing itself is httpx-sse's (its line and event decoders, fed the bytes as they
+arrive by `SSEFramer`); this module only turns each event's data into a chunk, unchanged: the
+role-only first chunk, content chunks, the usage chunk (`choices: []`), an in-stream
+`{"error": ...}` event and `[DONE]` are all relayed one to one.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from typing import Any
+
+from httpx_sse import ServerSentEvent
+from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
 from schemas.engine import StreamChunk, Usage
 
@@ -18,6 +23,37 @@ DONE_MARKER = "[DONE]"
 
 class MalformedUpstreamError(ValueError):
     """The engine sent something that is not the OpenAI shape it promised."""
+
+
+class SSEFramer:
+    """An event stream's bytes in, as they arrive; its complete events out.
+
+    Text is decoded as UTF-8 with replacement across chunk boundaries and lines split on
+    CR, LF or CRLF only, as httpx-sse does over an httpx response; an event is complete at
+    its blank line, so one cut short by the end of the stream is never returned.
+    """
+
+    def __init__(self) -> None:
+        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._lines = SSELineDecoder()
+        self._events = SSEDecoder()
+
+    def feed(self, data: bytes) -> list[ServerSentEvent]:
+        text = self._text.decode(data)
+        return self._dispatch(self._lines.decode(text)) if text else []
+
+    def close(self) -> list[ServerSentEvent]:
+        """The end of the stream: what the buffered tail completes."""
+        tail = self._text.decode(b"", final=True)
+        return self._dispatch((self._lines.decode(tail) if tail else []) + self._lines.flush())
+
+    def _dispatch(self, lines: list[str]) -> list[ServerSentEvent]:
+        events = []
+        for line in lines:
+            event = self._events.decode(line)
+            if event is not None:
+                events.append(event)
+        return events
 
 
 def _count(value: Any, name: str) -> int:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from governor.errors import internal_error
 from governor.http.common import error_response
+from governor.metrics import TenantMeters
 from governor.state import Governor
 from schemas.engine import APIError, EngineRequest, StreamChunk, Usage
 
@@ -36,8 +37,8 @@ DONE = b"data: [DONE]\n\n"
 class Relay:
     """One accepted request: its tenant, timings and accounting, as plain fields."""
 
-    def __init__(self, gov: Governor, tenant: str, route: str) -> None:
-        self.gov, self.tenant, self.route = gov, tenant, route
+    def __init__(self, gov: Governor, tenant: str, route: str, meters: TenantMeters) -> None:
+        self.gov, self.tenant, self.route, self.meters = gov, tenant, route, meters
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.usage: Usage | None = None
@@ -57,15 +58,15 @@ class Relay:
         if self.outcome is not None:
             return
         self.outcome = outcome
-        m = self.gov.metrics
-        m.requests.labels(self.tenant, self.route, outcome).inc()
-        m.e2e.labels(self.tenant).observe(time.monotonic() - self.started)
+        m = self.meters
+        m.requests(self.route, outcome).inc()
+        m.e2e.observe(time.monotonic() - self.started)
         if self.first_token_at is not None:
-            m.ttft.labels(self.tenant).observe(self.first_token_at - self.started)
+            m.ttft.observe(self.first_token_at - self.started)
         if self.usage is not None:
-            m.prompt_tokens.labels(self.tenant).inc(self.usage.prompt_tokens)
-            m.completion_tokens.labels(self.tenant).inc(self.usage.completion_tokens)
-            m.cached_tokens.labels(self.tenant).inc(self.usage.cached_tokens or 0)
+            m.prompt_tokens.inc(self.usage.prompt_tokens)
+            m.completion_tokens.inc(self.usage.completion_tokens)
+            m.cached_tokens.inc(self.usage.cached_tokens or 0)
 
 
 def sse_event(data: dict[str, Any]) -> bytes:

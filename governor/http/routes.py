@@ -44,8 +44,9 @@ def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.St
                 prepared = await asyncio.to_thread(gov.prepare_raw, tenant, route, raw,
                                                    request_id)
             waited = await gov.admit(ticket)
-            gov.metrics.admission_wait.labels(tenant.tenant_class).observe(waited)
-            relay = Relay(gov, tenant.id, route)
+            meters = gov.metrics.for_tenant(tenant.id, tenant.tenant_class)
+            meters.admission_wait.observe(waited)
+            relay = Relay(gov, tenant.id, route, meters)
             if prepared.request.stream:
                 return await relay_stream(request, relay, prepared.request,
                                           prepared.wants_usage)

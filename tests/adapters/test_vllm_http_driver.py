@@ -1,4 +1,5 @@
-"""VLLMDriver over real loopback sockets against a vLLM 0.32.0 imitation; respx for edge cases."""
+"""VLLMDriver over real loopback sockets: a vLLM 0.32.0 imitation, a server answering canned
+malformed responses, a listener whose backlog is full (a connect that never completes)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import contextlib
 import json
 import socket
 
-import httpx
 import pytest
-import respx
+from aiohttp import web
 
 from adapters.driver import EngineDriver
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
@@ -125,6 +125,18 @@ async def test_chat_stream_relayed_chunk_for_chunk(state) -> None:
     assert state.received[-1][3]["stream"] is True
 
 
+async def test_connections_are_kept_alive_after_answers_and_streams() -> None:
+    """Even when the body's end comes a little after [DONE], as it can from vLLM."""
+    state = Imitation(end_delay_s=0.05)
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    async with running(state) as driver:
+        for _ in range(2):
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+            chunks = await collect(driver, req(chat, route="chat", stream=True))
+            assert chunks[-1].done
+    assert len(state.peers) == 4 and len(set(state.peers)) == 1
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["nested-error", "pre-0.10.1-flat"])
 async def test_upstream_errors_pass_through(flat: bool) -> None:
     state = Imitation(flat_errors=flat)
@@ -194,41 +206,126 @@ async def test_client_disconnect_closes_the_upstream_stream() -> None:
         await asyncio.wait_for(state.disconnected.wait(), timeout=3.0)
 
 
+@contextlib.contextmanager
+def unaccepting_listener():
+    """A loopback port whose accept queue is full: further connects hang in SYN_SENT."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(8):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
 async def test_connect_timeout_is_a_504() -> None:
-    async with respx.mock:
-        respx.post("http://engine:8000/v1/completions").mock(
-            side_effect=httpx.ConnectTimeout("slow")
-        )
-        driver = VLLMDriver(VLLMHTTPConfig(base_url="http://engine:8000"), capabilities=CAPS)
+    with unaccepting_listener() as base_url:
+        driver = VLLMDriver(VLLMHTTPConfig(base_url=base_url, connect_timeout_s=0.3),
+                            capabilities=CAPS)
         await driver.start()
+        try:
+            with pytest.raises(EngineError) as err:
+                await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        finally:
+            await driver.close()
+    assert (err.value.status, err.value.message) == (504, "engine timed out: connect timed out")
+
+
+@pytest.mark.slow
+async def test_engine_dying_mid_stream_is_a_502_after_the_chunks_so_far() -> None:
+    state = Imitation(die_after_events=2)
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    got = []
+    async with running(state) as driver:
+        with pytest.raises(EngineError) as err:
+            async for chunk in driver.generate(req(body, route="chat", stream=True)):
+                got.append(chunk)
+    assert err.value.status == 502 and err.value.type == "UpstreamUnavailableError"
+    assert len(got) == 2 and not any(c.done for c in got)
+
+
+@pytest.mark.parametrize("cut", ["die_after_events", "cut_stream_after"])
+async def test_a_stream_cut_short_makes_the_next_request_wait_for_a_re_probe(cut: str) -> None:
+    """A connection reset or closed mid-stream may mean a new engine (SEC-16): the next
+    request is sent only after a re-probe passed."""
+    state = Imitation()
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    async with running(state, caps=None, reprobe_interval_s=0.0) as driver:
+        assert driver.probes == 1
+        setattr(state, cut, 2)
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req(chat, route="chat", stream=True))
+        assert err.value.status == 502
+        setattr(state, cut, None)
+        assert await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        assert driver.probes == 2
+
+
+async def test_a_timeout_is_not_a_lost_connection() -> None:
+    state = Imitation()
+    async with running(state, caps=None, first_byte_timeout_s=0.3) as driver:
+        state.head_delay_s = 0.6
         with pytest.raises(EngineError) as err:
             await collect(driver, req({"model": "smollm2", "prompt": "x"}))
-        await driver.close()
-    assert err.value.status == 504
+        assert err.value.status == 504
+        state.head_delay_s = 0.0
+        assert await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        assert driver.probes == 1
+
+
+@contextlib.asynccontextmanager
+async def canned(status: int, text: str, headers: dict[str, str]):
+    """A real server answering every generation with these bytes; every path asked is
+    logged (a followed redirect would show up there)."""
+    seen: list[str] = []
+
+    async def generation(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        await request.read()
+        return web.Response(status=status, text=text, headers=headers)
+
+    async def anything_else(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", generation)
+    app.router.add_route("*", "/{tail:.*}", anything_else)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        await runner.cleanup()
+
+
+JSON, TEXT, SSE = ({"Content-Type": t} for t in ("application/json", "text/plain",
+                                                 "text/event-stream"))
 
 
 @pytest.mark.parametrize(
-    ("response", "stream"),
+    ("status", "text", "headers", "stream"),
     [
-        (httpx.Response(200, text="not json"), False),
-        (httpx.Response(200, json=[1, 2]), False),
-        (httpx.Response(200, json={"usage": {"prompt_tokens": "many"}}), False),
-        (
-            httpx.Response(200, text="data: {}\n\n", headers={"content-type": "application/json"}),
-            True,
-        ),
-        (
-            httpx.Response(200, text="data: {}\n\n", headers={"content-type": "text/event-stream"}),
-            True,
-        ),
-        (
-            httpx.Response(
-                200, text="data: nope\n\n", headers={"content-type": "text/event-stream"}
-            ),
-            True,
-        ),
-        (httpx.Response(307, headers={"location": "http://engine:8000/admin"}), False),
-        (httpx.Response(500, text="<html>boom</html>"), False),
+        (200, "not json", TEXT, False),
+        (200, "[1, 2]", JSON, False),
+        (200, '{"usage": {"prompt_tokens": "many"}}', JSON, False),
+        (200, "data: {}\n\n", JSON, True),
+        (200, "data: {}\n\n", SSE, True),
+        (200, "data: nope\n\n", SSE, True),
+        (307, "", {"Location": "/admin"}, False),
+        (500, "<html>boom</html>", {"Content-Type": "text/html"}, False),
     ],
     ids=[
         "not-json",
@@ -241,18 +338,19 @@ async def test_connect_timeout_is_a_504() -> None:
         "html-500",
     ],
 )
-async def test_malformed_upstream(response: httpx.Response, stream: bool) -> None:
-    async with respx.mock:
-        route = respx.post("http://engine:8000/v1/completions").mock(return_value=response)
-        respx.get("http://engine:8000/admin").mock(return_value=httpx.Response(200))
-        driver = VLLMDriver(VLLMHTTPConfig(base_url="http://engine:8000"), capabilities=CAPS)
+async def test_malformed_upstream(status: int, text: str, headers: dict[str, str],
+                                  stream: bool) -> None:
+    async with canned(status, text, headers) as (base_url, seen):
+        driver = VLLMDriver(VLLMHTTPConfig(base_url=base_url), capabilities=CAPS)
         await driver.start()
-        with pytest.raises(EngineError) as err:
-            await collect(driver, req({"model": "smollm2", "prompt": "x"}, stream=stream))
-        await driver.close()
-    assert route.call_count == 1
-    assert err.value.status == (500 if response.status_code == 500 else 502)
-    assert "boom" in err.value.message or response.status_code != 500
+        try:
+            with pytest.raises(EngineError) as err:
+                await collect(driver, req({"model": "smollm2", "prompt": "x"}, stream=stream))
+        finally:
+            await driver.close()
+    assert seen == ["/v1/completions"]
+    assert err.value.status == (500 if status == 500 else 502)
+    assert "boom" in err.value.message or status != 500
 
 
 def test_config_is_validated() -> None:

@@ -73,9 +73,12 @@ class Imitation:
     validates_salts: bool = True
     honours_salts: bool = True
     version: str = "0.32.0"
-    cut_stream_after: int | None = None
+    cut_stream_after: int | None = None  # a stream's connection is closed after this many
     cached: set[tuple[str | None, str | None, str]] = field(default_factory=set)
+    die_after_events: int | None = None  # a stream's connection is reset after this many
+    end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # each request's client address
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     recorded: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
 
@@ -129,6 +132,8 @@ def unrecorded_completion(body: dict[str, Any], prompt_details: bool,
 def build_app(state: Imitation) -> web.Application:
     async def log_request(request: web.Request) -> Any:
         raw = await request.read()
+        state.peers.append(request.transport.get_extra_info("peername")
+                           if request.transport else None)
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
@@ -174,18 +179,22 @@ def build_app(state: Imitation) -> web.Application:
         await response.prepare(request)
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         try:
-            for sent, line in enumerate(SSE_LINES):
-                if state.cut_stream_after is not None and sent >= state.cut_stream_after:
+            for sent, line in enumerate(line for line in SSE_LINES
+                                        if include_usage or '"choices":[]' not in line):
+                if sent == state.cut_stream_after:  # the engine closes mid-stream (FIN)
                     assert request.transport is not None
-                    request.transport.close()  # the engine dies mid-stream
+                    request.transport.close()
                     return response
-                if '"choices":[]' in line and not include_usage:
-                    continue
+                if sent == state.die_after_events:  # the engine dies: reset mid-body (RST)
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return response
                 await response.write(f"{line}\n\n".encode())
                 await asyncio.sleep(state.stream_delay_s)
         except (ConnectionResetError, asyncio.CancelledError):
             state.disconnected.set()
             raise
+        await asyncio.sleep(state.end_delay_s)
         await response.write_eof()
         return response
 

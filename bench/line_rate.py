@@ -1,0 +1,334 @@
+"""The governor at line rate: req/s and latency under wrk, fak beside a bare proxy
+(issue 19's table).
+
+Non-streaming one-token completions against bench/instant_upstream.py (or `--upstream-url`),
+one wrk thread per run, the load generator, the upstream and the proxy sharing the machine.
+Arms, interleaved (the order rotates every rep), medians over reps:
+
+  direct            wrk → upstream
+  fak               wrk → fak serve → upstream
+  aiohttp-httpx     wrk → a bare aiohttp server with an httpx client → upstream
+  aiohttp-aiohttp   wrk → a bare aiohttp server with an aiohttp client → upstream
+  litellm           wrk → LiteLLM's proxy → upstream (only with --litellm-bin)
+  NAME              fak serve from another checkout (with --fak-arm NAME=PATH, e.g. the
+                    main branch's worktree: before and after a change in one run)
+
+Added latency is fak's p50 (or p99) minus direct's, paired per rep, then the median.
+Run it under the bench lock, as every measurement here:
+
+    flock /tmp/fak-bench.lock .venv/bin/python bench/line_rate.py [--reps 3] [--duration 5]
+
+`wrk` must be on PATH (Debian: `apt-get install wrk`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "bench-key"
+MODEL = "smollm2"
+BODY = ('{"model":"smollm2","prompt":"Say hello in one word.","max_tokens":1,'
+        '"temperature":0}')
+UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
+
+
+@dataclass(frozen=True, slots=True)
+class WrkResult:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int  # non-2xx answers plus socket errors
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def cpu_flags() -> str:
+    flags: set[str] = set()
+    model = "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[1].split())
+        elif line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+    simd = sorted(f for f in flags if f.startswith(("avx", "amx", "sse4")))
+    return f"{model}, {os.cpu_count()} cores, {' '.join(simd)}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode} before {url} answered")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout_s}s")
+
+
+@contextlib.contextmanager
+def process(cmd: list[str], ready_url: str, root: Path = ROOT) -> Iterator[None]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(ready_url, proc)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def governor_config(directory: Path, upstream: str) -> Path:
+    digest = hashlib.sha256(KEY.encode()).hexdigest()
+    path = directory / "fak.toml"
+    path.write_text(f"""
+[server]
+data_dir = "{directory / 'data'}"
+max_engine_concurrency = 256
+admission_wait_s = 60.0
+
+[engine]
+kind = "vllm"
+base_url = "{upstream}"
+model = "{MODEL}"
+
+[engine.declare]
+prompt_tokens_details = true
+
+[[tenants]]
+id = "bench"
+api_key_sha256 = ["{digest}"]
+class = "interactive"
+max_concurrency = 256
+max_tokens = 2048
+""")
+    return path
+
+
+def wrk_script(directory: Path) -> Path:
+    path = directory / "post.lua"
+    path.write_text(f"""wrk.method = "POST"
+wrk.body = '{BODY}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {KEY}"
+""")
+    return path
+
+
+def _ms(text: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
+    return float(number) * UNITS[unit]
+
+
+def parse_wrk(out: str) -> WrkResult:
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"\s50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"\s99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    errors = 0
+    if m := re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out):
+        errors += int(m.group(1))
+    if m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)",
+                      out):
+        errors += sum(int(g) for g in m.groups())
+    return WrkResult(rps, p50, p99, errors)
+
+
+def wrk(url: str, script: Path, concurrency: int, duration_s: float) -> WrkResult:
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{concurrency}", f"-d{duration_s:g}s", "--latency", "--timeout",
+         "10s", "-s", str(script), url],
+        check=True, capture_output=True, text=True).stdout
+    return parse_wrk(out)
+
+
+# -- the bare proxies (the floor fak is measured against) ---------------------------------------
+
+
+def serve_bare_proxy(client: str, port: int, upstream: str) -> None:
+    """A ten-line aiohttp proxy: the body forwarded, the answer's bytes returned."""
+    from aiohttp import ClientSession, TCPConnector, web
+
+    target = upstream + "/v1/completions"
+    headers = {"Content-Type": "application/json"}
+
+    async def with_aiohttp(app: web.Application) -> AsyncIterator[None]:
+        session = ClientSession(connector=TCPConnector(limit=512))
+
+        async def handle(request: web.Request) -> web.Response:
+            body = await request.read()
+            async with session.post(target, data=body, headers=headers) as r:
+                return web.Response(body=await r.read(), status=r.status,
+                                    content_type="application/json")
+
+        app.router.add_post("/v1/completions", handle)
+        yield
+        await session.close()
+
+    async def with_httpx(app: web.Application) -> AsyncIterator[None]:
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512), timeout=60)
+
+        async def handle(request: web.Request) -> web.Response:
+            r = await http.post(target, content=await request.read(), headers=headers)
+            return web.Response(body=r.content, status=r.status_code,
+                                content_type="application/json")
+
+        app.router.add_post("/v1/completions", handle)
+        yield
+        await http.aclose()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.cleanup_ctx.append(with_aiohttp if client == "aiohttp" else with_httpx)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def start_arms(stack: contextlib.ExitStack, tmp: Path, upstream: str,
+               args: argparse.Namespace) -> dict[str, str]:
+    """Every arm's base URL (the upstream itself is `direct`)."""
+    py = sys.executable
+    arms = {"direct": upstream}
+    for name in args.arms:
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        if name == "fak" or name in args.fak_roots:
+            root = Path(args.fak_roots.get(name, ROOT)).resolve()
+            (tmp / name).mkdir()
+            config = governor_config(tmp / name, upstream)
+            cmd = [py, "-m", "governor.cli", "serve", "--config", str(config), "--port",
+                   str(port), "--metrics-port", str(free_port()), "--init-key"]
+            stack.enter_context(process(cmd, base + "/ready", root))
+        elif name in ("aiohttp-httpx", "aiohttp-aiohttp"):
+            cmd = [py, __file__, "proxy", name.split("-")[1], str(port), upstream]
+            stack.enter_context(process(cmd, base + "/health"))
+        elif name == "litellm":
+            cmd = [args.litellm_bin, "--model", f"hosted_vllm/{MODEL}", "--api_base",
+                   upstream + "/v1", "--host", "127.0.0.1", "--port", str(port),
+                   "--num_workers", "1"]
+            stack.enter_context(process(cmd, base + "/health/liveliness"))
+        else:
+            raise SystemExit(f"unknown arm {name!r}")
+        arms[name] = base
+    return arms
+
+
+def run(args: argparse.Namespace) -> None:
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is not on PATH (Debian: apt-get install wrk)")
+    print(f"CPU: {cpu_flags()}; load average at start {load_average()}")
+    with tempfile.TemporaryDirectory() as tmpdir, contextlib.ExitStack() as stack:
+        tmp = Path(tmpdir)
+        upstream = args.upstream_url
+        if upstream is None:
+            port = free_port()
+            upstream = f"http://127.0.0.1:{port}"
+            stack.enter_context(process([sys.executable, "bench/instant_upstream.py",
+                                         "--port", str(port)], upstream + "/health"))
+        arms = start_arms(stack, tmp, upstream, args)
+        script = wrk_script(tmp)
+        for base in arms.values():  # warm-up, discarded
+            wrk(base + "/v1/completions", script, 16, 1)
+        results: dict[tuple[str, int], list[WrkResult]] = {}
+        names = list(arms)
+        for rep in range(args.reps):
+            for c in args.concurrency:
+                shift = (rep + c) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    got = wrk(arms[name] + "/v1/completions", script, c, args.duration)
+                    results.setdefault((name, c), []).append(got)
+            print(f"  rep {rep + 1}/{args.reps} done; load average {load_average()}",
+                  flush=True)
+        report(results, names, args.concurrency,
+               [n for n in names if n == "fak" or n in args.fak_roots])
+    print(f"load average at the end {load_average()}")
+
+
+def report(results: dict[tuple[str, int], list[WrkResult]], names: list[str],
+           levels: list[int], governors: list[str]) -> None:
+    print("\nreq/s, p50, p99 (medians over reps; wrk -t1, non-streaming max_tokens=1)")
+    print("| concurrency | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for c in levels:
+        cells = []
+        for name in names:
+            runs = results[(name, c)]
+            errors = sum(r.errors for r in runs)
+            cell = (f"{statistics.median(r.rps for r in runs):,.0f} req/s, "
+                    f"p50 {statistics.median(r.p50_ms for r in runs):.2f} ms, "
+                    f"p99 {statistics.median(r.p99_ms for r in runs):.2f} ms")
+            cells.append(cell + (f" ({errors} errors)" if errors else ""))
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    for gov in governors:
+        print(f"\n{gov} against direct (paired per rep, median):")
+        for c in levels:
+            pairs = list(zip(results[("direct", c)], results[(gov, c)], strict=True))
+            p50 = statistics.median(f.p50_ms - d.p50_ms for d, f in pairs)
+            p99 = statistics.median(f.p99_ms - d.p99_ms for d, f in pairs)
+            rps = statistics.median(r.rps for r in results[(gov, c)])
+            print(f"  c={c}: {rps:,.0f} req/s; added p50 {p50:.2f} ms, added p99 {p99:.2f} ms")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["proxy"]:
+        client, port, upstream = argv[1], int(argv[2]), argv[3]
+        serve_bare_proxy(client, port, upstream)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream-url", help="an engine already running (default: start "
+                        "bench/instant_upstream.py)")
+    parser.add_argument("--arms", type=lambda s: s.split(","),
+                        default=["fak", "aiohttp-httpx", "aiohttp-aiohttp"],
+                        help="comma-separated, besides direct")
+    parser.add_argument("--litellm-bin", help="LiteLLM's `litellm` executable (adds the arm)")
+    parser.add_argument("--fak-arm", action="append", default=[], metavar="NAME=PATH",
+                        help="fak serve from another checkout as arm NAME (repeatable)")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 16, 64])
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.litellm_bin and "litellm" not in args.arms:
+        args.arms.append("litellm")
+    args.fak_roots = dict(spec.split("=", 1) for spec in args.fak_arm)
+    args.arms += [name for name in args.fak_roots if name not in args.arms]
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
