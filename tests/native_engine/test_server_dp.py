@@ -93,3 +93,9 @@ def test_cache_control_is_refused_with_data_parallel() -> None:
         ServerConfig(data_parallel_size=2, cache_control_token="t" * 16)
     with pytest.raises(ValueError, match="data_parallel_size"):
         ServerConfig(data_parallel_size=0)
+
+
+def test_a_disk_tier_is_refused_with_data_parallel(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv-disk-dir"):
+        ServerConfig(data_parallel_size=2, kv_disk_dir=str(tmp_path), kv_disk_size=1.0)
+    ServerConfig(data_parallel_size=2, kv_offloading_size=0.5)  # a host tier per rank
