@@ -1,9 +1,9 @@
 """A tenant floods the governor with salt-bearing requests: what do the others see?
 
-Starts `fak serve` on the embedded model with two tenants. Rounds alternate, interleaved:
-the victim sends `--victim` one-at-a-time completions alone, then the same number while the
-flooder sends its share of `--flood` requests (each carries a `cache_salt`, refused with 400
-and counted, never logged one by one). Prints the victim's p50 latency alone and under the
+Starts `fak serve` on the embedded model with two tenants. Each round the victim sends
+`--victim` one-at-a-time completions alone, and as many (other prompts) while the flooder
+sends its share of `--flood` requests (each carries a `cache_salt`: refused with 400 and
+counted, never logged one by one); the two phases alternate their order round by round. Prints the victim's p50 latency alone and under the
 flood (medians over rounds), their ratio, the audit log's growth and the CPU flags.
 
     .venv/bin/python bench/audit_flood.py [--flood 10000] [--rounds 5] [--victim 12]
@@ -79,10 +79,12 @@ max_queued = 64
 
 
 async def victim_latencies(http: aiohttp.ClientSession, url: str, key: str, n: int,
-                           round_no: int) -> list[float]:
+                           tag: str) -> list[float]:
+    """`n` one-at-a-time completions; `tag` makes every prompt new (no phase reuses
+    another's cached prefix)."""
     out = []
     for i in range(n):
-        body = {"prompt": f"round {round_no} request {i}: one two three", "max_tokens": 4,
+        body = {"prompt": f"{tag} request {i}: one two three", "max_tokens": 4,
                 "temperature": 0, "ignore_eos": True}
         start = time.perf_counter()
         async with http.post(url + "/v1/completions", json=body,
@@ -116,17 +118,20 @@ async def run(args: argparse.Namespace, url: str, victim_key: str, flood_key: st
     alone, flooded, sent = [], [], 0
     per_round = args.flood // args.rounds
     async with aiohttp.ClientSession() as http:
-        await victim_latencies(http, url, victim_key, 3, -1)  # warm-up
+        await victim_latencies(http, url, victim_key, 3, "warm-up")
         for r in range(args.rounds):
-            alone.append(statistics.median(
-                await victim_latencies(http, url, victim_key, args.victim, r)))
-            stop = asyncio.Event()
-            flooding = asyncio.create_task(flood(http, url, flood_key, per_round, stop,
-                                                 args.concurrency))
-            await asyncio.sleep(0.2)
-            flooded.append(statistics.median(
-                await victim_latencies(http, url, victim_key, args.victim, r)))
-            sent += await flooding
+            for phase in ("alone", "flood") if r % 2 == 0 else ("flood", "alone"):
+                if phase == "alone":
+                    alone.append(statistics.median(await victim_latencies(
+                        http, url, victim_key, args.victim, f"round {r} alone")))
+                    continue
+                stop = asyncio.Event()
+                flooding = asyncio.create_task(flood(http, url, flood_key, per_round, stop,
+                                                     args.concurrency))
+                await asyncio.sleep(0.2)
+                flooded.append(statistics.median(await victim_latencies(
+                    http, url, victim_key, args.victim, f"round {r} flood")))
+                sent += await flooding
     return alone, flooded, sent
 
 
