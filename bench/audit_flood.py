@@ -3,8 +3,9 @@
 Starts `fak serve` on the embedded model with two tenants. Each round the victim sends
 `--victim` one-at-a-time completions alone, and as many (other prompts) while the flooder
 sends its share of `--flood` requests (each carries a `cache_salt`: refused with 400 and
-counted, never logged one by one); the two phases alternate their order round by round. Prints the victim's p50 latency alone and under the
-flood (medians over rounds), their ratio, the audit log's growth and the CPU flags.
+counted, never logged one by one); the two phases alternate their order round by round.
+Prints the victim's p50 latency alone and under the flood (medians over rounds), their
+ratio, the audit log's growth and the CPU flags.
 
     .venv/bin/python bench/audit_flood.py [--flood 10000] [--rounds 5] [--victim 12]
 """
