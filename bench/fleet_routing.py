@@ -166,9 +166,10 @@ def arm_config(policy: str, fleet: list[Replica], data_dir: Path) -> dict[str, A
 
 async def start_arm(policy: str, fleet: list[Replica], data_dir: Path) -> Arm:
     config = parse_config(arm_config(policy, fleet, data_dir))
-    driver = build_driver(config, governor_salt_key(config, create_key=True))
+    key = governor_salt_key(config, create_key=True)
+    driver = build_driver(config, key)
     await driver.start()
-    gov = build_governor(config, driver, create_key=False)
+    gov = build_governor(config, driver, create_key=False, key=key)
     server = GovernorServer(gov)
     await server.start("127.0.0.1", 0, "127.0.0.1", 0)
     return Arm(policy, gov, server, fleet)

@@ -107,8 +107,12 @@ def governor_salt_key(config: GovernorConfig, create_key: bool) -> SaltKey:
         raise StartupRefused(str(exc)) from exc
 
 
-def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool) -> Governor:
-    key = governor_salt_key(config, create_key)
+def build_governor(config: GovernorConfig, driver: EngineDriver, create_key: bool,
+                   key: SaltKey | None = None) -> Governor:
+    """The governor over `driver`; `key`: the salt key already loaded for the driver (else
+    read from data_dir here)."""
+    if key is None:
+        key = governor_salt_key(config, create_key)
     if config.state.backend == "postgres":
         from governor.store.backend import open_shared_state
 
@@ -228,8 +232,9 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
     if data_dir and config_path:
         server = replace(server, data_dir=Path(data_dir))
     config = replace(config, server=server)
-    driver = build_driver(config, governor_salt_key(config, create_key))
-    gov = build_governor(config, driver, create_key)
+    key = governor_salt_key(config, create_key)
+    driver = build_driver(config, key)
+    gov = build_governor(config, driver, create_key, key)
     if banner:
         print(banner, flush=True)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
