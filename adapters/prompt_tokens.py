@@ -5,12 +5,17 @@ through the model's chat template with the generation prompt, text through its t
 token ids as given. vLLM tokenises the same way for a model it serves from the same
 tokenizer files, which the operator names (`[engine.routing] tokenizer`). Without a
 tokenizer only token-id prompts can be matched against the shadow indexes.
+
+Texts go through a token-prefix cache (native_engine.model.token_prefix_cache) where the
+tokenizer is of a kind it is exact for, so a system prompt many requests share is
+tokenised once: the routing decision's cost is then mostly the new suffix.
 """
 
 from __future__ import annotations
 
 from native_engine.model.chat_template import ChatTemplate
 from native_engine.model.prompt import PromptInvalid, prompt_token_ids
+from native_engine.model.token_prefix_cache import TokenPrefixCache
 from native_engine.model.tokenizer import TextTokenizer
 from schemas.engine import EngineRequest
 from schemas.openai import ChatRequest
@@ -22,18 +27,22 @@ class PromptTokens:
     """Token ids of a request's prompt, or None when they cannot be known here."""
 
     def __init__(self, tokenizer: TextTokenizer | None = None,
-                 template: ChatTemplate | None = None) -> None:
+                 template: ChatTemplate | None = None, cache_entries: int = 0) -> None:
         self.tokenizer, self.template = tokenizer, template
+        self.cache = TokenPrefixCache(tokenizer.backend, cache_entries) if (
+            tokenizer is not None and cache_entries > 0
+            and TokenPrefixCache.supports(tokenizer.backend)) else None
 
     @classmethod
-    def load(cls, source: str | None) -> PromptTokens:
+    def load(cls, source: str | None, cache_entries: int = 0) -> PromptTokens:
         """`"embedded"` (the embedded SmolLM2), a `.gguf` file or an HF directory; None:
-        no tokenizer (token-id prompts only)."""
+        no tokenizer (token-id prompts only). `cache_entries`: the token-prefix cache's
+        size (0: off; also off for a tokenizer it is not exact for)."""
         if source is None:
             return cls()
         from native_engine.model.weights import load_tokenizer
 
-        return cls(*load_tokenizer(None if source == EMBEDDED else source))
+        return cls(*load_tokenizer(None if source == EMBEDDED else source), cache_entries)
 
     def of(self, request: EngineRequest) -> list[int] | None:
         body = request.body
@@ -43,6 +52,7 @@ class PromptTokens:
                    and t >= 0] if isinstance(prompt, list) else []
             return ids if ids and len(ids) == len(prompt or ()) else None
         try:
-            return prompt_token_ids(body, self.tokenizer, self.template)
+            return prompt_token_ids(body, self.tokenizer, self.template,
+                                    self.cache.encode if self.cache is not None else None)
         except PromptInvalid:
             return None  # the engine will answer the 400

@@ -92,11 +92,14 @@ class UpstreamSection:
 class RoutingSection:
     """`[engine.routing]`: the policy (policies/routing.py), its weights, the tokenizer
     prompts are matched with ("embedded", a .gguf or an HF directory; none: token-id prompts
-    only), and how often upstreams are health-checked (`health_interval_s`; a failing one
-    is retried with doubling backoff up to `backoff_max_s`)."""
+    only), how many prompt texts its token-prefix cache keeps (`tokenize_cache_entries`;
+    0: every prompt tokenised whole), and how often upstreams are health-checked
+    (`health_interval_s`; a failing one is retried with doubling backoff up to
+    `backoff_max_s`)."""
 
     policy: Literal["kv_aware", "least_loaded", "round_robin"] = "kv_aware"
     tokenizer: str | None = None
+    tokenize_cache_entries: int = 1024
     overlap_weight: float = 1.0
     load_weight: float = 1.0
     health_interval_s: float = 1.0

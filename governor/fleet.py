@@ -87,7 +87,7 @@ def build_fleet_driver(section: EngineSection, namespace_key: bytes | None) -> F
         config = FleetConfig(RoutingPolicy(routing.policy),
                              RoutingWeights(routing.overlap_weight, routing.load_weight),
                              HealthConfig(routing.health_interval_s, routing.backoff_max_s))
-        tokens = PromptTokens.load(routing.tokenizer)
+        tokens = PromptTokens.load(routing.tokenizer, routing.tokenize_cache_entries)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"[engine.routing]: {exc}") from None
     return FleetDriver(upstreams, config, tokens)

@@ -21,7 +21,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adapters.driver import CacheMember
@@ -220,12 +220,15 @@ class FleetDriver:
         return index.matched_blocks(chain), kv.state(member.rank) is SyncState.SYNCED
 
     def routing_view(self) -> dict[str, Any]:
-        """The policy, and the median cost of the last routing decisions (whole, and the
-        part spent tokenising the prompt)."""
+        """The policy, the median cost of the last routing decisions (whole, and the part
+        spent tokenising the prompt) and the token-prefix cache's counters (None: off)."""
         window, tokenize = list(self.decision_seconds), list(self.tokenize_seconds)
+        cache = self.tokens.cache
         return {"policy": self.config.policy.value, "decisions": len(window),
                 "decision_p50_ms": statistics.median(window) * 1000 if window else None,
-                "tokenize_p50_ms": statistics.median(tokenize) * 1000 if tokenize else None}
+                "tokenize_p50_ms": statistics.median(tokenize) * 1000 if tokenize else None,
+                "tokenize_cache": None if cache is None else
+                {"texts": len(cache), **asdict(cache.stats)}}
 
     # --- generation -------------------------------------------------------------------
 

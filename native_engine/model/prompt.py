@@ -4,6 +4,8 @@ place both the native server and the governor's router turn a typed body into to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from native_engine.model.chat_template import ChatTemplate, ChatTemplateError
 from native_engine.model.tokenizer import TextTokenizer
 from schemas.openai import AnyRequest, ChatRequest
@@ -18,7 +20,11 @@ class PromptInvalid(ValueError):
 
 
 def prompt_token_ids(parsed: AnyRequest, tokenizer: TextTokenizer,
-                     template: ChatTemplate | None) -> list[int]:
+                     template: ChatTemplate | None,
+                     encode: Callable[[str], list[int]] | None = None) -> list[int]:
+    """`encode` (default: the tokenizer's) turns text into ids; the router passes its
+    token-prefix cache."""
+    encode = encode or tokenizer.encode
     if isinstance(parsed, ChatRequest):
         if template is None:
             raise PromptInvalid("this model has no chat template", "messages")
@@ -28,10 +34,10 @@ def prompt_token_ids(parsed: AnyRequest, tokenizer: TextTokenizer,
             text = template.render(messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise PromptInvalid(str(exc), "messages") from None
-        return tokenizer.encode(text)
+        return encode(text)
     prompt = parsed.prompt
     if isinstance(prompt, str) and prompt:
-        return tokenizer.encode(prompt)
+        return encode(prompt)
     if isinstance(prompt, list) and prompt:
         ids = [t for t in prompt if isinstance(t, int) and 0 <= t < tokenizer.vocab_size]
         if len(ids) == len(prompt):

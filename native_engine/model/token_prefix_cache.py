@@ -1,0 +1,173 @@
+"""Token ids of a text that shares a prefix with a text tokenised before, without
+tokenising the shared part again (the KV-aware router's hot path: prompts that start with
+the same system prompt).
+
+Why a cut is exact. For the tokenizers `supports()` accepts (BPE over a byte-level
+pre-tokenizer with GPT-2's regex, optionally digits split first; no normalizer; added
+tokens matched verbatim), the ids of a text are the concatenation of the ids of its
+pre-tokens, each encoded on its own. Take a boundary `c` between two pre-tokens of a text
+T, and a text U with U[:L] == T[:L] where c <= L - margin. Every pre-token of U that ends
+at or before c is decided by characters before c + 3 (the regex's longest look past a
+match is one character; its contractions read three), and every added token that starts
+before c ends before c + longest added token, so U splits at c exactly as T does; after c
+the regex has no look-behind, so U[c:] pre-tokenises as U does from c. Hence
+ids(U) == ids(T)[:n] + ids(U[c:]), n being T's token count before c. Boundaries are read
+from the tokenizer's own word ids and offsets (two tokens of different pre-tokens whose
+offsets touch), never re-derived here. The property test compares with a full encode.
+
+Checkpoints every `stride` characters map the hash of a text's prefix to the most recent
+text holding it; a lookup binary-searches the longest verified prefix (prefixes shared at
+L are shared at every shorter L). Texts are kept in LRU order, at most `capacity`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers import Encoding, Tokenizer
+
+# How far the pre-tokenizer's regex reads past the start of a match that ends at a cut.
+REGEX_LOOKAHEAD = 3
+
+
+@dataclass(eq=False, slots=True)
+class _Text:
+    """A tokenised text and its exact cuts: `cuts[i]` is a character position where the
+    ids split (0 first), `counts[i]` the tokens before it."""
+
+    text: str
+    ids: list[int]
+    cuts: list[int] = field(default_factory=lambda: [0])
+    counts: list[int] = field(default_factory=lambda: [0])
+    keys: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TokenPrefixCacheStats:
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    encoded_chars: int = 0
+
+
+def _pre_tokenizer_ok(pre: dict[str, Any] | None) -> bool:
+    if pre is None:
+        return False
+    kind = pre.get("type")
+    if kind == "ByteLevel":
+        return bool(pre.get("use_regex", True)) and not pre.get("add_prefix_space", False)
+    if kind == "Sequence":
+        parts = pre.get("pretokenizers") or []
+        return bool(parts) and all(p.get("type") == "Digits" for p in parts[:-1]) and \
+            _pre_tokenizer_ok(parts[-1])
+    return False
+
+
+class TokenPrefixCache:
+    """`encode(text)` equal to `tokenizer.encode(text, add_special_tokens=False).ids`."""
+
+    def __init__(self, tokenizer: Tokenizer, capacity: int = 1024, stride: int = 32) -> None:
+        if capacity < 1 or stride < 1:
+            raise ValueError("capacity and stride must be >= 1")
+        self.tokenizer, self.capacity, self.stride = tokenizer, capacity, stride
+        added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+        self.longest_added = max(map(len, added), default=0)
+        self._added_starts = frozenset(t[0] for t in added if t)
+        self._texts: OrderedDict[int, _Text] = OrderedDict()
+        self._checkpoints: dict[int, _Text] = {}
+        self.stats = TokenPrefixCacheStats()
+
+    @staticmethod
+    def supports(tokenizer: Tokenizer) -> bool:
+        """Whether the cut argument of the module docstring holds for this tokenizer."""
+        spec = json.loads(tokenizer.to_str())
+        added_plain = all(not (t.get("lstrip") or t.get("rstrip") or t.get("single_word")
+                               or t.get("normalized"))
+                          for t in spec.get("added_tokens") or [])
+        return (spec.get("normalizer") is None and (spec.get("model") or {}).get("type") ==
+                "BPE" and _pre_tokenizer_ok(spec.get("pre_tokenizer")) and added_plain)
+
+    def encode(self, text: str) -> list[int]:
+        base, length = self._longest(text)
+        if base is None:
+            self.stats.misses += 1
+            entry = _Text(text, [])
+            self._extend(entry, 0, 0, text)
+        else:
+            self.stats.hits += 1
+            self._texts.move_to_end(id(base))
+            if base.text == text:
+                self.stats.reused_tokens += len(base.ids)
+                return list(base.ids)
+            i = max(bisect.bisect_right(base.cuts, length - self.margin(text, length)) - 1, 0)
+            cut, count = base.cuts[i], base.counts[i]
+            entry = _Text(text, base.ids[:count], base.cuts[:i + 1], base.counts[:i + 1])
+            self.stats.reused_tokens += count
+            self._extend(entry, cut, count, text[cut:])
+        self._remember(entry, length)
+        return list(entry.ids)
+
+    def margin(self, text: str, length: int) -> int:
+        """How far before a shared length `length` a cut must be: past the regex's look,
+        and past any added token that could start before the cut and end after `length`
+        (none can where no added token's first character is in the last stretch)."""
+        window = text[max(length - self.longest_added, 0):length]
+        if any(ch in window for ch in self._added_starts):
+            return max(REGEX_LOOKAHEAD, self.longest_added) + 1
+        return REGEX_LOOKAHEAD + 1
+
+    def _longest(self, text: str) -> tuple[_Text | None, int]:
+        """The text holding the longest checkpointed prefix of `text`, and that length."""
+        low, high = 1, len(text) // self.stride
+        best, found = None, 0
+        while low <= high:
+            mid = (low + high) // 2
+            prefix = text[:mid * self.stride]
+            holder = self._checkpoints.get(hash(prefix))
+            if holder is not None and holder.text.startswith(prefix):
+                best, found, low = holder, mid * self.stride, mid + 1
+            else:
+                high = mid - 1
+        return best, found
+
+    def _extend(self, entry: _Text, cut: int, count: int, tail: str) -> None:
+        encoding: Encoding = self.tokenizer.encode(tail, add_special_tokens=False)
+        self.stats.encoded_chars += len(tail)
+        entry.ids.extend(encoding.ids)
+        words, offsets = encoding.word_ids, encoding.offsets
+        for i in range(1, len(offsets)):
+            if words[i] != words[i - 1] and offsets[i - 1][1] == offsets[i][0]:
+                entry.cuts.append(cut + offsets[i][0])
+                entry.counts.append(count + i)
+
+    def _remember(self, entry: _Text, shared: int) -> None:
+        """Checkpoints past the prefix already held by another text (that one stays the
+        holder; it was just touched)."""
+        for length in range(shared + self.stride, len(entry.text) + 1, self.stride):
+            key = hash(entry.text[:length])
+            self._checkpoints[key] = entry
+            entry.keys.append(key)
+        self._texts[id(entry)] = entry
+        while len(self._texts) > self.capacity:
+            _, old = self._texts.popitem(last=False)
+            for key in old.keys:
+                if self._checkpoints.get(key) is old:
+                    del self._checkpoints[key]
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def check_integrity(self) -> None:
+        """Every checkpoint's holder is a kept text; cuts ascend with their counts."""
+        assert len(self._texts) <= self.capacity
+        kept = set(self._texts)
+        for holder in self._checkpoints.values():
+            assert id(holder) in kept, "a checkpoint names an evicted text"
+        for entry in self._texts.values():
+            assert entry.cuts[0] == 0 and entry.counts[0] == 0
+            assert entry.cuts == sorted(entry.cuts) and entry.counts == sorted(entry.counts)
+            assert entry.counts[-1] <= len(entry.ids)

@@ -1,0 +1,89 @@
+"""The token-prefix cache gives exactly the ids of a full encode, on the embedded SmolLM2
+tokenizer, for texts that share prefixes in every way the pre-tokenizer can be fooled:
+whitespace runs cut in two, digits, contractions, special-token texts cut in half."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, pre_tokenizers
+
+from native_engine.model.token_prefix_cache import TokenPrefixCache
+from native_engine.model.weights import load_tokenizer
+
+PIECES = ["a", "b", "hello", "Hello", " ", "  ", "\n", "\n\n", "\t", "'s", "'t", "'re",
+          "'", "1", "23", "456", ".", ",", "!?", "é", "中文", "🙂", "<|im_start|>",
+          "<|im_end|>", "<|im_", "start|>", "<|endoftext|>", "user", "assistant", "  x"]
+
+
+@functools.cache
+def embedded() -> Tokenizer:
+    return load_tokenizer(None)[0].backend
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return embedded()
+
+
+def full(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+texts = st.lists(st.sampled_from(PIECES), min_size=0, max_size=40).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(base=texts, tails=st.lists(st.tuples(st.integers(0, 400), texts), min_size=1,
+                                  max_size=6))
+def test_encode_equals_a_full_encode(base: str, tails: list[tuple[int, str]]) -> None:
+    tokenizer = embedded()
+    cache = TokenPrefixCache(tokenizer, capacity=4, stride=4)
+    assert cache.encode(base) == full(tokenizer, base)
+    for cut, tail in tails:
+        text = base[:cut] + tail
+        assert cache.encode(text) == full(tokenizer, text), text
+        base = text if len(text) > len(base) else base
+    cache.check_integrity()
+
+
+def test_a_shared_system_prompt_is_tokenised_once(tokenizer: Tokenizer) -> None:
+    rng = random.Random(7)
+
+    def letters(n: int) -> str:
+        return " ".join(rng.choice("abcdefghij") for _ in range(n))
+
+    system = letters(256)
+    cache = TokenPrefixCache(tokenizer)
+    for _ in range(20):
+        text = system + " " + letters(24)
+        assert cache.encode(text) == full(tokenizer, text)
+    assert cache.stats.misses == 1 and cache.stats.hits == 19
+    # each hit encoded at most the suffix plus a stride and the safety margin
+    most = 48 + cache.stride + cache.longest_added + 1
+    assert cache.stats.encoded_chars < len(system) + 19 * most
+    cache.check_integrity()
+
+
+def test_capacity_evicts_the_least_recently_used(tokenizer: Tokenizer) -> None:
+    cache = TokenPrefixCache(tokenizer, capacity=2, stride=8)
+    for text in ("first text " * 4, "second one " * 4, "third text " * 4):
+        cache.encode(text)
+    assert len(cache) == 2
+    cache.check_integrity()
+    assert cache.encode("first text " * 4 + "more") == full(tokenizer, "first text " * 4 + "more")
+    assert cache.stats.hits == 0
+
+
+def test_only_tokenizers_the_cut_argument_covers_are_supported(tokenizer: Tokenizer) -> None:
+    assert TokenPrefixCache.supports(tokenizer)
+    prefixed = Tokenizer.from_str(tokenizer.to_str())
+    prefixed.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert not TokenPrefixCache.supports(prefixed)
+    spaced = Tokenizer.from_str(tokenizer.to_str())
+    spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert not TokenPrefixCache.supports(spaced)
