@@ -8,10 +8,13 @@ tokenizer only token-id prompts can be matched against the shadow indexes.
 
 Texts go through a token-prefix cache (native_engine.model.token_prefix_cache) where the
 tokenizer is of a kind it is exact for, so a system prompt many requests share is
-tokenised once: the routing decision's cost is then mostly the new suffix.
+tokenised once: the routing decision's cost is then mostly the new suffix. Each tenant
+has its own texts there (a shared cache would time other tenants' prompts).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 from native_engine.model.chat_template import ChatTemplate
 from native_engine.model.prompt import PromptInvalid, prompt_token_ids
@@ -52,7 +55,8 @@ class PromptTokens:
                    and t >= 0] if isinstance(prompt, list) else []
             return ids if ids and len(ids) == len(prompt or ()) else None
         try:
-            return prompt_token_ids(body, self.tokenizer, self.template,
-                                    self.cache.encode if self.cache is not None else None)
+            encode = None if self.cache is None else partial(self.cache.encode,
+                                                             namespace=request.tenant)
+            return prompt_token_ids(body, self.tokenizer, self.template, encode)
         except PromptInvalid:
             return None  # the engine will answer the 400

@@ -18,6 +18,10 @@ offsets touch), never re-derived here. The property test compares with a full en
 Checkpoints every `stride` characters map the hash of a text's prefix to the most recent
 text holding it; a lookup binary-searches the longest verified prefix (prefixes shared at
 L are shared at every shorter L). Texts are kept in LRU order, at most `capacity`.
+
+Texts are shared only within a `namespace` (the router passes the tenant): a cache shared
+across tenants would let one time whether another sent a prompt (a hit is faster), the
+prompt-cache side channel of docs/security.md SEC-5 at a smaller scale.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class _Text:
     """A tokenised text and its exact cuts: `cuts[i]` is a character position where the
     ids split (0 first), `counts[i]` the tokens before it."""
 
+    namespace: str | None
     text: str
     ids: list[int]
     cuts: list[int] = field(default_factory=lambda: [0])
@@ -68,7 +73,8 @@ def _pre_tokenizer_ok(pre: dict[str, Any] | None) -> bool:
 
 
 class TokenPrefixCache:
-    """`encode(text)` equal to `tokenizer.encode(text, add_special_tokens=False).ids`."""
+    """`encode(text, namespace)` equal to `tokenizer.encode(text, add_special_tokens=False)
+    .ids`; only texts of the same namespace are reused."""
 
     def __init__(self, tokenizer: Tokenizer, capacity: int = 1024, stride: int = 32) -> None:
         if capacity < 1 or stride < 1:
@@ -91,11 +97,11 @@ class TokenPrefixCache:
         return (spec.get("normalizer") is None and (spec.get("model") or {}).get("type") ==
                 "BPE" and _pre_tokenizer_ok(spec.get("pre_tokenizer")) and added_plain)
 
-    def encode(self, text: str) -> list[int]:
-        base, length = self._longest(text)
+    def encode(self, text: str, namespace: str | None = None) -> list[int]:
+        base, length = self._longest(text, namespace)
         if base is None:
             self.stats.misses += 1
-            entry = _Text(text, [])
+            entry = _Text(namespace, text, [])
             self._extend(entry, 0, 0, text)
         else:
             self.stats.hits += 1
@@ -105,7 +111,8 @@ class TokenPrefixCache:
                 return list(base.ids)
             i = max(bisect.bisect_right(base.cuts, length - self.margin(text, length)) - 1, 0)
             cut, count = base.cuts[i], base.counts[i]
-            entry = _Text(text, base.ids[:count], base.cuts[:i + 1], base.counts[:i + 1])
+            entry = _Text(namespace, text, base.ids[:count], base.cuts[:i + 1],
+                          base.counts[:i + 1])
             self.stats.reused_tokens += count
             self._extend(entry, cut, count, text[cut:])
         self._remember(entry, length)
@@ -120,15 +127,17 @@ class TokenPrefixCache:
             return max(REGEX_LOOKAHEAD, self.longest_added) + 1
         return REGEX_LOOKAHEAD + 1
 
-    def _longest(self, text: str) -> tuple[_Text | None, int]:
-        """The text holding the longest checkpointed prefix of `text`, and that length."""
+    def _longest(self, text: str, namespace: str | None) -> tuple[_Text | None, int]:
+        """The text of `namespace` holding the longest checkpointed prefix of `text`, and
+        that length."""
         low, high = 1, len(text) // self.stride
         best, found = None, 0
         while low <= high:
             mid = (low + high) // 2
             prefix = text[:mid * self.stride]
-            holder = self._checkpoints.get(hash(prefix))
-            if holder is not None and holder.text.startswith(prefix):
+            holder = self._checkpoints.get(hash((namespace, prefix)))
+            if holder is not None and holder.namespace == namespace and \
+                    holder.text.startswith(prefix):
                 best, found, low = holder, mid * self.stride, mid + 1
             else:
                 high = mid - 1
@@ -148,7 +157,7 @@ class TokenPrefixCache:
         """Checkpoints past the prefix already held by another text (that one stays the
         holder; it was just touched)."""
         for length in range(shared + self.stride, len(entry.text) + 1, self.stride):
-            key = hash(entry.text[:length])
+            key = hash((entry.namespace, entry.text[:length]))
             self._checkpoints[key] = entry
             entry.keys.append(key)
         self._texts[id(entry)] = entry

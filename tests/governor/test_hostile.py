@@ -319,18 +319,14 @@ def test_disconnect_during_keepalive_wait(hostile: Hostile) -> None:
 
 def test_queue_flood_is_refused_at_once(hostile: Hostile) -> None:
     """FLOOD holds its one slot with a long stream and its one queue place; 200 concurrent
-    58 KiB requests more are answered 429 at once, before their bodies are kept."""
+    58 KiB requests more are answered 429 at once, before their bodies are kept. The
+    holder then hangs up (its stream is aborted) and the queued one is served."""
     long = {"prompt": "Flood holds a slot", "max_tokens": 256, "ignore_eos": True,
             "stream": True}
-    holder = threading.Thread(target=hostile.post, args=("/v1/completions", long),
-                              kwargs={"key": FLOOD})
-    holder.start()
-    time.sleep(0.5)
-    rss_before = hostile.served.rss_kib()
     blob = json.dumps({"prompt": "x", "max_tokens": 1}).encode() + b" " * (58 << 10)
+    headers = {"Authorization": f"Bearer {FLOOD}", "Content-Type": "application/json"}
 
-    async def flood() -> tuple[list[int], float]:
-        headers = {"Authorization": f"Bearer {FLOOD}", "Content-Type": "application/json"}
+    async def flood() -> tuple[list[int], float, int, int]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             async def one() -> int:
                 async with http.post(hostile.url + "/v1/completions", data=blob,
@@ -341,13 +337,25 @@ def test_queue_flood_is_refused_at_once(hostile: Hostile) -> None:
                         assert doc["error"]["type"] == "rate_limit_error"
                     return r.status
 
+            holder = await http.post(hostile.url + "/v1/completions", json=long,
+                                     headers=headers)
+            assert holder.status == 200
+            await holder.content.readline()  # streaming: the slot is held
+            rss_before = hostile.served.rss_kib()
             start = time.perf_counter()
-            statuses = await asyncio.gather(*(one() for _ in range(200)))
-            return list(statuses), time.perf_counter() - start
+            tasks = [asyncio.ensure_future(one()) for _ in range(200)]
+            pending = set(tasks)
+            while len(pending) > 1 and time.perf_counter() < start + 60:
+                # all but the queued one are answered while the slot is held
+                _, pending = await asyncio.wait(pending, timeout=5,
+                                                return_when=asyncio.FIRST_COMPLETED)
+            took = time.perf_counter() - start
+            rss_after = hostile.served.rss_kib()
+            holder.close()
+            statuses = await asyncio.gather(*tasks)
+            return list(statuses), took, rss_before, rss_after
 
-    statuses, took = asyncio.run(flood())
-    rss_after = hostile.served.rss_kib()
-    holder.join(120)
+    statuses, took, rss_before, rss_after = asyncio.run(flood())
     print(f"\n[{hostile.kind}] 200 over-cap requests answered in {took * 1000:.0f} ms "
           f"({statuses.count(429)} x 429); RSS {rss_before / 1024:.0f} -> "
           f"{rss_after / 1024:.0f} MiB")

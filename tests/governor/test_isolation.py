@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import pytest
 
+from governor.isolation.config import AuditConfig
 from policies.isolation_audit import prefix_sharing_prompt, random_prompt
 from tests.integration.native_server import (
     NativeServer,
@@ -58,7 +59,10 @@ BUDGET = 128  # tokens per engine step: an uncached probe prefill takes many ste
 ENGINE = NativeServerConfig(block_size=16, num_blocks=512, max_model_len=2048,
                             max_num_batched_tokens=BUDGET)
 AUDIT_SAMPLES = 16  # per kind and phase: p ≈ 1e-9 when hits and misses separate
-AUDIT_PROMPT_TOKENS = 256  # a miss prefills 2 steps of BUDGET, a hit one short step
+AUDIT_PROMPT_TOKENS = 128  # a miss prefills 2 steps of BUDGET, a hit one short step
+# A hit reuses the whole blocks of the shared prefix (the audit's prefix fraction).
+HIT_CACHED = round(AUDIT_PROMPT_TOKENS * AuditConfig("http://x", "a", "b").prefix_fraction
+                   ) // ENGINE.block_size * ENGINE.block_size
 PROBE_TOKENS = 896  # an uncached probe: ceil(896 / 127) = 8 steps of prefill
 TICKER_TOKENS = 64  # one token per engine step, past the three probes' 3 × 8 steps
 SEND_GAP_TICKS = 2
@@ -121,7 +125,7 @@ def test_sec5_audit_finds_no_cross_tenant_signal_through_the_governor(
     assert (rc, report["verdict"]) == (0, "NO CROSS-TENANT SIGNAL")
     # The governor's salts: B's probes never reuse A's tokens, A's own probes do.
     assert report["cached_tokens_median"]["cross"]["hit"] == 0
-    assert report["cached_tokens_median"]["control"]["hit"] >= 0.9 * AUDIT_PROMPT_TOKENS
+    assert report["cached_tokens_median"]["control"]["hit"] >= HIT_CACHED
     assert len(report["samples"]) == 4 * AUDIT_SAMPLES
     assert KEY_A not in json.dumps(report) and KEY_B not in json.dumps(report)
 
@@ -133,7 +137,7 @@ def test_sec5_audit_reports_the_leak_on_the_bare_engine(stack: Stack, tmp_path: 
     print(f"audit of the bare engine: {elapsed:.1f} s, p cross {cross['p_value']:.3g}")
     assert cross["p_value"] < 1e-6, report["phases"]
     assert (rc, report["verdict"]) == (1, "LEAK")
-    assert report["cached_tokens_median"]["cross"]["hit"] >= 0.9 * AUDIT_PROMPT_TOKENS
+    assert report["cached_tokens_median"]["cross"]["hit"] >= HIT_CACHED
 
 
 # -- SEC-7: completion order ---------------------------------------------------------------

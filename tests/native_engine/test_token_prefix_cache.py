@@ -87,3 +87,15 @@ def test_only_tokenizers_the_cut_argument_covers_are_supported(tokenizer: Tokeni
     spaced = Tokenizer.from_str(tokenizer.to_str())
     spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     assert not TokenPrefixCache.supports(spaced)
+
+
+def test_texts_are_reused_only_within_their_namespace(tokenizer: Tokenizer) -> None:
+    cache = TokenPrefixCache(tokenizer, stride=8)
+    text = "a shared system prompt, long enough for several checkpoints. "
+    cache.encode(text + "alice asks", "alice")
+    assert cache.encode(text + "mallory asks", "mallory") == full(tokenizer,
+                                                                  text + "mallory asks")
+    assert (cache.stats.hits, cache.stats.misses) == (0, 2)
+    cache.encode(text + "alice again", "alice")
+    assert (cache.stats.hits, cache.stats.misses) == (1, 2)
+    cache.check_integrity()
