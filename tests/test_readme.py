@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.governor.server_thread import free_port
+from tests.http_client import HTTP
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -55,7 +55,7 @@ def test_curl_and_openai_examples(tmp_path: Path) -> None:
             if "serving on" in line:
                 break
         assert key, "fak serve did not print the dev API key"
-        assert httpx.get(f"http://127.0.0.1:{port}/ready").json() == {"ready": True}
+        assert HTTP.get(f"http://127.0.0.1:{port}/ready").json() == {"ready": True}
         env = {**os.environ, "FAK_KEY": key}
         (curl,) = [b for b in code_blocks("") if b.startswith("curl")]
         out = subprocess.run(["bash", "-c", curl.replace("8000", str(port))], env=env,

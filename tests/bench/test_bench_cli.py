@@ -16,6 +16,7 @@ import pytest
 
 from governor.auth import sha256_hex
 from governor.cli import main
+from tests.http_client import HTTP
 
 from .fake_upstream import FakeUpstream, FakeUpstreamConfig, serving_in_thread
 from .outputs import check_outputs
@@ -75,7 +76,7 @@ def test_overhead_from_the_command_line(tmp_path: Path, capsys, monkeypatch) -> 
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                if httpx.get(url + "/health").status_code == 200:
+                if HTTP.get(url + "/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.1)

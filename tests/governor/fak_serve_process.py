@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from governor.auth import sha256_hex
+from tests.http_client import HTTP
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING = re.compile(r"fak: serving on (\S+) \(metrics on (\S+)\)")
@@ -75,7 +74,7 @@ def start_fak_serve(config: Path, data_dir: Path, timeout_s: float = 300.0) -> F
         found = SERVING.search(log_path.read_text(errors="replace"))
         if found:
             served = FakServe(found.group(1), found.group(2), data_dir, log_path, proc)
-            if httpx.get(served.url + "/health", timeout=10).status_code in (200, 503):
+            if HTTP.get(served.url + "/health", timeout=10).status_code in (200, 503):
                 return served
         if proc.poll() is not None:
             break

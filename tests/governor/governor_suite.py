@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 
 from adapters.driver import EngineDriver
@@ -23,6 +22,7 @@ from governor.serve import build_governor
 from governor.state import Governor
 from policies.salts import tenant_salt
 from schemas.engine import EngineRequest
+from tests.http_client import HTTP
 
 from .server_thread import ServerThread
 
@@ -39,7 +39,7 @@ class Stack:
 
     def metrics(self, which: str = "strict") -> str:
         """The governor's /metrics text, from its private listener."""
-        return httpx.get(self.thread.metrics_urls[self.urls[which]] + "/metrics").text
+        return HTTP.get(self.thread.metrics_urls[self.urls[which]] + "/metrics").text
 
     def direct(self, route: str, body: dict[str, Any], tenant: str) -> list[Any]:
         """The same request straight to the engine driver, in the tenant's namespace."""
@@ -152,8 +152,8 @@ def test_sec2_client_salt_rejected_or_stripped(stack) -> None:
     gov, urls = stack.gov, stack.urls
     body = {"model": "smollm2", "prompt": "hi", "max_tokens": 2,
             "cache_salt": gov.salt_for("acme")}
-    r = httpx.post(urls["strict"] + "/v1/completions", json=body,
-                   headers={"Authorization": f"Bearer {KEYS['beta']}"})
+    r = HTTP.post(urls["strict"] + "/v1/completions", json=body,
+                  headers={"Authorization": f"Bearer {KEYS['beta']}"})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "cache_salt"
     # Counted, then written as the tenant's rate-bounded summary record (issue 13).
@@ -162,8 +162,8 @@ def test_sec2_client_salt_rejected_or_stripped(stack) -> None:
     assert '"client_salt_rejected=' in log.read_text()
     nested = {**body, "extra_body": {"cache_salt": "x"}}
     nested.pop("cache_salt")
-    r = httpx.post(urls["strict"] + "/v1/completions", json=nested,
-                   headers={"Authorization": f"Bearer {KEYS['beta']}"})
+    r = HTTP.post(urls["strict"] + "/v1/completions", json=nested,
+                  headers={"Authorization": f"Bearer {KEYS['beta']}"})
     assert r.status_code == 400
     # Lenient: stripped, and B's own salt is used — B's warm prompt hits only B's cache
     # (B's namespace starts empty, so the expected count is exactly 0).
@@ -172,9 +172,9 @@ def test_sec2_client_salt_rejected_or_stripped(stack) -> None:
     a = client(urls["strict"], "acme")
     for _ in range(2):
         a.completions.create(model="smollm2", prompt=prompt, max_tokens=1)
-    r = httpx.post(urls["lenient"] + "/v1/completions",
-                   json={**body, "prompt": prompt, "max_tokens": 1},
-                   headers={"Authorization": f"Bearer {KEYS['beta']}"})
+    r = HTTP.post(urls["lenient"] + "/v1/completions",
+                  json={**body, "prompt": prompt, "max_tokens": 1},
+                  headers={"Authorization": f"Bearer {KEYS['beta']}"})
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     metrics = stack.metrics("lenient")
@@ -198,17 +198,17 @@ def test_bad_requests_get_openai_errors(stack) -> None:
          "model"),
     ]
     for headers, body, status, param in cases:
-        r = httpx.post(url, json=body, headers=headers)
+        r = HTTP.post(url, json=body, headers=headers)
         assert r.status_code == status, (body, r.text)
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["param"] == param
-    r = httpx.post(url, content=b"{not json", headers={**auth,
+    r = HTTP.post(url, content=b"{not json", headers={**auth,
                                                        "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"]
-    r = httpx.post(url, content=b"x" * (2 << 20), headers=auth)
+    r = HTTP.post(url, content=b"x" * (2 << 20), headers=auth)
     assert r.status_code == 413
-    assert httpx.get(urls["strict"] + "/health").status_code == 200
+    assert HTTP.get(urls["strict"] + "/health").status_code == 200
 
 
 def test_concurrent_streams_four_tenants_accounting(stack) -> None:
@@ -252,23 +252,23 @@ def _counter(text: str, tenant: str) -> float:
 def test_admin_routes(stack) -> None:
     gov, urls = stack.gov, stack.urls
     admin = {"Authorization": f"Bearer {ADMIN}"}
-    assert httpx.get(urls["strict"] + "/admin/v1/capabilities").status_code == 401
-    assert httpx.get(urls["strict"] + "/admin/v1/capabilities",
-                     headers={"Authorization": f"Bearer {KEYS['acme']}"}).status_code == 401
-    caps = httpx.get(urls["strict"] + "/admin/v1/capabilities", headers=admin).json()
+    assert HTTP.get(urls["strict"] + "/admin/v1/capabilities").status_code == 401
+    assert HTTP.get(urls["strict"] + "/admin/v1/capabilities",
+                    headers={"Authorization": f"Bearer {KEYS['acme']}"}).status_code == 401
+    caps = HTTP.get(urls["strict"] + "/admin/v1/capabilities", headers=admin).json()
     assert caps["cache_salt"] is True and caps["engine_kind"] in ("native", "vllm")
-    tenants = httpx.get(urls["strict"] + "/admin/v1/tenants", headers=admin).json()["data"]
+    tenants = HTTP.get(urls["strict"] + "/admin/v1/tenants", headers=admin).json()["data"]
     assert {t["id"] for t in tenants} == set(KEYS)
-    assert httpx.get(urls["strict"] + "/ready").json() == {"ready": True}
+    assert HTTP.get(urls["strict"] + "/ready").json() == {"ready": True}
     epoch = gov.epochs.get("gamma")
     old_salt = gov.salt_for("gamma")
-    r = httpx.post(urls["strict"] + "/admin/v1/tenants/gamma/rotate", headers=admin)
+    r = HTTP.post(urls["strict"] + "/admin/v1/tenants/gamma/rotate", headers=admin)
     assert r.status_code == 200
     record = r.json()
     assert record["event"]["kind"] == "rotate"
     assert record["event"]["evidence"]["new_epoch"] == epoch + 1
     assert gov.epochs.get("gamma") == epoch + 1 and gov.salt_for("gamma") != old_salt
-    assert httpx.post(urls["strict"] + "/admin/v1/tenants/nobody/rotate",
-                      headers=admin).status_code == 404
+    assert HTTP.post(urls["strict"] + "/admin/v1/tenants/nobody/rotate",
+                     headers=admin).status_code == 404
     log = (gov.config.server.data_dir / "audit.log").read_text()
     assert '"kind":"rotate"' in log and old_salt not in log

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
-
 from governor.audit.verify import verify
 from governor.secrets import EPOCHS_FILE
 from policies.salts import tenant_salt
 from schemas.audit import AuditRecord
+from tests.http_client import HTTP
 
 from .audit_rig import ADMIN_HEADERS, governor_on, tiny_disk
 from .server_thread import ServerThread
@@ -24,7 +23,7 @@ def rotate_records(log_path: Path) -> list[AuditRecord]:
 
 
 def epoch_of(url: str, tenant: str) -> int:
-    tenants = httpx.get(url + "/admin/v1/tenants", headers=ADMIN_HEADERS).json()["data"]
+    tenants = HTTP.get(url + "/admin/v1/tenants", headers=ADMIN_HEADERS).json()["data"]
     return next(t["epoch"] for t in tenants if t["id"] == tenant)
 
 
@@ -36,7 +35,7 @@ def test_rotation_on_a_full_disk_neither_bumps_nor_answers_success(tmp_path: Pat
             gov = governor_on(data, min_free_bytes=4096)
             url = thread.serve(gov)
             rotate = url + "/admin/v1/tenants/acme/rotate"
-            assert httpx.post(rotate, headers=ADMIN_HEADERS).status_code == 200
+            assert HTTP.post(rotate, headers=ADMIN_HEADERS).status_code == 200
             assert gov.audit_ready()
             disk.fill()
             if disk.how == "tmpfs":
@@ -45,7 +44,7 @@ def test_rotation_on_a_full_disk_neither_bumps_nor_answers_success(tmp_path: Pat
             # needs a new one fails and must change nothing.
             for _ in range(200):
                 before, salt = epoch_of(url, "acme"), gov.salt_for("acme")
-                r = httpx.post(rotate, headers=ADMIN_HEADERS)
+                r = HTTP.post(rotate, headers=ADMIN_HEADERS)
                 if r.status_code != 200:
                     break
                 assert epoch_of(url, "acme") == before + 1
@@ -54,12 +53,12 @@ def test_rotation_on_a_full_disk_neither_bumps_nor_answers_success(tmp_path: Pat
             assert "epoch is unchanged" in r.json()["error"]["message"]
             assert epoch_of(url, "acme") == before and gov.salt_for("acme") == salt
             assert salt == tenant_salt(gov.salt_key, "acme", before)
-            r = httpx.post(rotate, headers=ADMIN_HEADERS)  # fails closed from now on
+            r = HTTP.post(rotate, headers=ADMIN_HEADERS)  # fails closed from now on
             assert r.status_code == 503 and "refuses" in r.json()["error"]["message"]
             assert not gov.audit_ready() and "refuses" in (gov.audit_problem() or "")
             assert epoch_of(url, "acme") == before
-            salty = httpx.post(url + "/v1/completions", json={"prompt": "x", "cache_salt": "s"},
-                               headers={"Authorization": "Bearer key-acme"})
+            salty = HTTP.post(url + "/v1/completions", json={"prompt": "x", "cache_salt": "s"},
+                              headers={"Authorization": "Bearer key-acme"})
             assert salty.status_code == 503  # a client event that cannot be recorded
         finally:
             thread.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import httpx
 import pytest
 
 from adapters.native import NativeDriver, NativeDriverConfig
@@ -16,6 +15,7 @@ from governor.config import ConfigError, parse_config
 from governor.serve import build_driver, build_governor
 from native_engine.config import EngineConfig
 from policies.salts import SaltKey
+from tests.http_client import HTTP
 from tests.native_engine.tiny_model import random_model
 
 from .server_thread import ServerThread
@@ -44,9 +44,9 @@ def cached_after_flood(tmp_path: Path, share: float | None) -> int:
         prompt = [rng.randrange(3, 259) for _ in range(64)]
 
         def complete(key: str, ids: list[int]) -> int:
-            r = httpx.post(url + "/v1/completions", timeout=60,
-                           headers={"Authorization": f"Bearer {key}"},
-                           json={"prompt": ids, "temperature": 0})
+            r = HTTP.post(url + "/v1/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"prompt": ids, "temperature": 0})
             assert r.status_code == 200, r.text
             return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 

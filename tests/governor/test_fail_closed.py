@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from adapters.native import NativeDriver
@@ -13,6 +12,7 @@ from governor.cli import main
 from governor.config import parse_config
 from governor.secrets import SALT_KEY_FILE, StartupRefused
 from governor.serve import build_governor
+from tests.http_client import HTTP
 
 from .server_thread import ServerThread
 
@@ -59,19 +59,19 @@ def test_engine_down_answers_503_and_governor_stays_up(tmp_path: Path) -> None:
         url = thread.serve(gov)
         auth = {"Authorization": f"Bearer {KEY}"}
         for _ in range(3):
-            r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=auth)
+            r = HTTP.post(url + "/v1/completions", json={"prompt": "hi"}, headers=auth)
             assert r.status_code == 503
             assert r.json()["error"]["type"] == "ServiceUnavailableError"
-        health = httpx.get(url + "/health")
+        health = HTTP.get(url + "/health")
         assert health.status_code == 503 and health.json()["engine_alive"] is False
-        assert httpx.get(url + "/ready").status_code == 503
+        assert HTTP.get(url + "/ready").status_code == 503
         assert gov.admission.in_flight == 0
         thread.run(gov.admission.acquire("acme", 1, 0))
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=auth)
+        r = HTTP.post(url + "/v1/completions", json={"prompt": "hi"}, headers=auth)
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
         thread.call(lambda: gov.admission.release("acme"))
-        metrics = httpx.get(thread.metrics_urls[url] + "/metrics").text
+        metrics = HTTP.get(thread.metrics_urls[url] + "/metrics").text
         assert 'reason="tenant_concurrency"' in metrics
     finally:
         thread.stop()

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +21,7 @@ from governor.serve import build_driver, build_governor, governor_salt_key
 from governor.state import Governor
 from tests.adapters.vllm_imitation import Imitation, start_imitation
 from tests.governor.server_thread import ServerThread
+from tests.http_client import HTTP
 
 ADMIN = "fleet-admin-token"
 KEY = "fleet-acme-key"
@@ -74,9 +74,9 @@ def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
 
 def test_keys_views_and_metrics(stack: Stack) -> None:
     for i in range(6):
-        r = httpx.post(f"{stack.url}/v1/completions", timeout=30,
-                       headers={"Authorization": f"Bearer {KEY}"},
-                       json={"prompt": f"hello there {i}", "max_tokens": 1})
+        r = HTTP.post(f"{stack.url}/v1/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": f"hello there {i}", "max_tokens": 1})
         assert r.status_code == 200, r.text
     for name, secret in (("a", "upstream-a-secret"), ("b", "upstream-b-secret")):
         auth = {h.get("authorization") for _, p, h, _ in stack.states[name].received
@@ -86,16 +86,16 @@ def test_keys_views_and_metrics(stack: Stack) -> None:
              if p == "/v1/completions" and isinstance(b, dict)
              and str(b.get("prompt", "")).startswith("hello")]
     assert sorted(set(ranks)) == ["0", "1"]  # b's two ranks, addressed by the header
-    r = httpx.get(f"{stack.url}/admin/v1/upstreams", timeout=10,
-                  headers={"Authorization": f"Bearer {ADMIN}"})
+    r = HTTP.get(f"{stack.url}/admin/v1/upstreams", timeout=10,
+                 headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200
     body = r.json()
     assert [u["name"] for u in body["data"]] == ["a", "b"]
     assert [len(u["ranks"]) for u in body["data"]] == [1, 2]
     assert body["routing"]["policy"] == "round_robin" and body["routing"]["decisions"] == 6
     assert "secret" not in r.text
-    assert httpx.get(f"{stack.url}/admin/v1/upstreams", timeout=10).status_code == 401
-    text = httpx.get(stack.thread.metrics_urls[stack.url] + "/metrics", timeout=10).text
+    assert HTTP.get(f"{stack.url}/admin/v1/upstreams", timeout=10).status_code == 401
+    text = HTTP.get(stack.thread.metrics_urls[stack.url] + "/metrics", timeout=10).text
     decisions = {tuple(sorted(s.labels.items())): s.value
                  for f in text_string_to_metric_families(text) for s in f.samples
                  if s.name == "fak_routing_decisions_total"}
@@ -105,9 +105,9 @@ def test_keys_views_and_metrics(stack: Stack) -> None:
 
 
 def quarantine(stack: Stack) -> dict:
-    r = httpx.post(f"{stack.url}/admin/v1/quarantine", timeout=60,
-                   headers={"Authorization": f"Bearer {ADMIN}"},
-                   json={"tenant": "acme", "span": {"text": " ".join(["word"] * 300)},
+    r = HTTP.post(f"{stack.url}/admin/v1/quarantine", timeout=60,
+                  headers={"Authorization": f"Bearer {ADMIN}"},
+                  json={"tenant": "acme", "span": {"text": " ".join(["word"] * 300)},
                          "reason": "fleet-test"})
     assert r.status_code == 200, r.text
     return r.json()

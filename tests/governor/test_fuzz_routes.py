@@ -24,6 +24,7 @@ from governor.serve import build_governor
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
 from policies.request_fields import FEATURE_GROUPS, ROUTE_FIELDS
+from tests.http_client import HTTP
 from tests.native_engine.tiny_model import random_model
 
 from .server_thread import ServerThread
@@ -85,8 +86,8 @@ def check(r: httpx.Response) -> None:
 
 
 def post(live: Live, path: str, body: Any, key: str) -> httpx.Response:
-    return httpx.post(live.url + path, content=json.dumps(body).encode(), timeout=60,
-                      headers={"Authorization": f"Bearer {key}",
+    return HTTP.post(live.url + path, content=json.dumps(body).encode(), timeout=60,
+                     headers={"Authorization": f"Bearer {key}",
                                "Content-Type": "application/json"})
 
 
@@ -118,8 +119,8 @@ def test_admin_quarantine_takes_any_json(live: Live, body: Any) -> None:
 @FUZZ
 @given(tenant=st.text(min_size=1, max_size=20))
 def test_admin_rotate_takes_any_tenant(live: Live, tenant: str) -> None:
-    r = httpx.post(f"{live.url}/admin/v1/tenants/{quote(tenant, safe='')}/rotate",
-                   timeout=30, headers={"Authorization": f"Bearer {ADMIN}"})
+    r = HTTP.post(f"{live.url}/admin/v1/tenants/{quote(tenant, safe='')}/rotate",
+                  timeout=30, headers={"Authorization": f"Bearer {ADMIN}"})
     check(r)
     assert r.status_code in (200, 404)
 
@@ -128,7 +129,7 @@ def test_raw_garbage_bytes(live: Live) -> None:
     for raw in (b"\xff\xfe", b"{", b"[" * 5000, b'{"a": NaN}', b"\x00" * 100, b'"\\ud800"'):
         for path in ("/v1/completions", "/v1/chat/completions", "/admin/v1/quarantine"):
             key = ADMIN if "admin" in path else KEY
-            r = httpx.post(live.url + path, content=raw, timeout=30,
-                           headers={"Authorization": f"Bearer {key}"})
+            r = HTTP.post(live.url + path, content=raw, timeout=30,
+                          headers={"Authorization": f"Bearer {key}"})
             check(r)
             assert r.status_code == 400

@@ -26,6 +26,7 @@ import aiohttp
 import httpx
 import pytest
 
+from tests.http_client import HTTP
 from tests.integration.native_server import (
     NativeServer,
     NativeServerConfig,
@@ -114,7 +115,7 @@ class Hostile:
         headers = {"Authorization": f"Bearer {key}", **kw.pop("headers", {})}
         if body is not None and "content" not in kw:
             kw["json"] = body
-        return httpx.post(self.url + path, headers=headers, timeout=60, **kw)
+        return HTTP.post(self.url + path, headers=headers, timeout=60, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def assert_error(r: httpx.Response, status: int, param: str | type | None = type
 
 def assert_healthy(h: Hostile) -> None:
     assert h.served.alive()
-    r = httpx.get(h.url + "/health")
+    r = HTTP.get(h.url + "/health")
     assert r.status_code == 200 and r.json()["engine_alive"] is True
 
 
@@ -304,14 +305,14 @@ def test_disconnect_during_keepalive_wait(hostile: Hostile) -> None:
     time.sleep(1.0)
     assert "already running" not in hostile.served.log()
     assert_healthy(hostile)
-    views = httpx.get(hostile.url + "/admin/v1/tenants",
-                      headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
+    views = HTTP.get(hostile.url + "/admin/v1/tenants",
+                     headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
     deadline = time.monotonic() + 10
     while next(v for v in views if v["id"] == "mallory")["in_flight"]:
         assert time.monotonic() < deadline
         time.sleep(0.2)
-        views = httpx.get(hostile.url + "/admin/v1/tenants",
-                          headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
+        views = HTTP.get(hostile.url + "/admin/v1/tenants",
+                         headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
 
 
 # -- 5. bounded waiting work -------------------------------------------------------------------
@@ -402,7 +403,7 @@ def test_slow_heads_idle_connections_and_peer_cap(hostile: Hostile) -> None:
         assert s.recv(4096) == b""  # closed by the server once idle
         waited = time.monotonic() - start
         assert SERVER["keepalive_timeout_s"] - 1 < waited < SERVER["keepalive_timeout_s"] + 3
-    metrics = httpx.get(hostile.served.metrics_url + "/metrics").text
+    metrics = HTTP.get(hostile.served.metrics_url + "/metrics").text
     assert 'fak_connections_refused_total{reason="header_timeout"}' in metrics
     assert 'fak_connections_refused_total{reason="per_peer_cap"}' in metrics
     assert_healthy(hostile)
@@ -449,7 +450,7 @@ def test_inputs_that_used_to_raise(hostile: Hostile) -> None:
 
 def test_rejection_labels_are_not_client_controlled(hostile: Hostile) -> None:
     def series() -> int:
-        text = httpx.get(hostile.served.metrics_url + "/metrics").text
+        text = HTTP.get(hostile.served.metrics_url + "/metrics").text
         return sum(line.startswith("fak_admission_rejections_total") for line in
                    text.splitlines())
 
@@ -468,9 +469,9 @@ def test_rejection_labels_are_not_client_controlled(hostile: Hostile) -> None:
 def test_metrics_are_not_on_the_tenant_port(hostile: Hostile) -> None:
     for key in (MALLORY, ALICE, None):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        r = httpx.get(hostile.url + "/metrics", headers=headers)
+        r = HTTP.get(hostile.url + "/metrics", headers=headers)
         assert r.status_code == 404 and "metrics" in r.json()["error"]["message"]
-    assert "fak_requests_total" in httpx.get(hostile.served.metrics_url + "/metrics").text
+    assert "fak_requests_total" in HTTP.get(hostile.served.metrics_url + "/metrics").text
 
 
 def test_leaving_max_tokens_out_does_not_lift_the_cap(hostile: Hostile) -> None:

@@ -42,6 +42,7 @@ import pytest
 
 from governor.isolation.config import AuditConfig
 from policies.isolation_audit import prefix_sharing_prompt, random_prompt
+from tests.http_client import HTTP
 from tests.integration.native_server import (
     NativeServer,
     NativeServerConfig,
@@ -203,8 +204,8 @@ async def completion_ticks(url: str, key: str, probes: list[Probe]) -> list[int]
 
 def plant(url: str, key: str, prompt: str) -> int:
     """Send `prompt` under `key`; the prompt tokens the engine found cached."""
-    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
-                   headers={"Authorization": f"Bearer {key}"}, timeout=300)
+    r = HTTP.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                  headers={"Authorization": f"Bearer {key}"}, timeout=300)
     assert r.status_code == 200, r.text
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
@@ -217,7 +218,7 @@ def clean_cache(stack: Stack) -> None:
     """Each run starts from an empty prefix cache: the engine's value-aware eviction would
     otherwise drop a fresh (never reused) plant before older, reused prefixes left by the
     audits — the plant must be there when the third probe is scheduled."""
-    r = httpx.post(stack.engine.base_url + "/reset_prefix_cache", timeout=60)
+    r = HTTP.post(stack.engine.base_url + "/reset_prefix_cache", timeout=60)
     assert r.status_code == 200 and r.json() == {"success": True}, r.text
 
 

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from aiohttp import web
 
@@ -32,6 +31,7 @@ from governor.quarantine.service import QuarantineService
 from governor.serve import build_governor
 from governor.state import Governor
 from native_engine.config import EngineConfig
+from tests.http_client import HTTP
 
 from .server_thread import ServerThread, free_port
 
@@ -51,16 +51,16 @@ class Stack:
 
     def complete(self, tenant: str, prompt: str) -> int:
         """One greedy one-token completion through the governor; its cached_tokens."""
-        r = httpx.post(self.url + "/v1/completions", timeout=300,
-                       headers={"Authorization": f"Bearer key-{tenant}"},
-                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 1,
+        r = HTTP.post(self.url + "/v1/completions", timeout=300,
+                      headers={"Authorization": f"Bearer key-{tenant}"},
+                      json={"model": "smollm2", "prompt": prompt, "max_tokens": 1,
                              "temperature": 0})
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     def quarantine(self, **body: object) -> dict:
-        r = httpx.post(self.url + "/admin/v1/quarantine", json=body, timeout=600,
-                       headers={"Authorization": f"Bearer {ADMIN}"})
+        r = HTTP.post(self.url + "/admin/v1/quarantine", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -154,9 +154,9 @@ def test_mid_span_eviction_keeps_the_prefix(stack: Stack) -> None:
 
 def test_chat_messages_span_is_cut_on_the_rendered_tokens(stack: Stack) -> None:
     messages = [{"role": "user", "content": words(30)}]
-    r = httpx.post(stack.url + "/v1/chat/completions", timeout=300,
-                   headers={"Authorization": "Bearer key-acme"},
-                   json={"model": "smollm2", "messages": messages, "max_tokens": 1})
+    r = HTTP.post(stack.url + "/v1/chat/completions", timeout=300,
+                  headers={"Authorization": "Bearer key-acme"},
+                  json={"model": "smollm2", "messages": messages, "max_tokens": 1})
     assert r.status_code == 200, r.text
     record = stack.quarantine(tenant="acme", span={"messages": messages}, reason="ticket-103")
     assert (record["plan"], record["state"]) == ("exact", "VERIFIED")

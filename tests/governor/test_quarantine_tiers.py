@@ -10,7 +10,6 @@ import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import pytest
 from aiohttp import web
 
@@ -23,6 +22,7 @@ from governor.serve import build_governor
 from governor.state import Governor
 from native_engine.engine import LLMEngine
 from native_engine.kvcache.tiers import TieredKV
+from tests.http_client import HTTP
 from tests.native_engine.tier_helpers import block_bytes_of, tier_config
 from tests.native_engine.tiny_model import random_model
 
@@ -46,16 +46,16 @@ class Stack:
         return self.engine.tiers
 
     def complete(self, tenant: str, prompt: str) -> int:
-        r = httpx.post(self.url + "/v1/completions", timeout=120,
-                       headers={"Authorization": f"Bearer key-{tenant}"},
-                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 1,
+        r = HTTP.post(self.url + "/v1/completions", timeout=120,
+                      headers={"Authorization": f"Bearer key-{tenant}"},
+                      json={"model": "smollm2", "prompt": prompt, "max_tokens": 1,
                              "temperature": 0})
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     def quarantine(self, **body: object) -> dict:
-        r = httpx.post(self.url + "/admin/v1/quarantine", json=body, timeout=300,
-                       headers={"Authorization": f"Bearer {ADMIN}"})
+        r = HTTP.post(self.url + "/admin/v1/quarantine", json=body, timeout=300,
+                      headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -178,8 +178,8 @@ def test_rotation_ages_the_old_epoch_out_first(stack: Stack) -> None:
     text = words(48)
     assert stack.complete("beta", text) == 0 and stack.complete("beta", text) > 0
     old_salt = stack.gov.salt_for("beta")
-    r = httpx.post(stack.url + "/admin/v1/tenants/beta/rotate", timeout=30,
-                   headers={"Authorization": f"Bearer {ADMIN}"})
+    r = HTTP.post(stack.url + "/admin/v1/tenants/beta/rotate", timeout=30,
+                  headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200, r.text
     assert stack.complete("beta", text) == 0  # SEC-10: the new salt misses
     stack.evict_all()  # the old epoch's blocks are dropped, not moved down

@@ -23,6 +23,7 @@ from governor.serve import build_governor
 from governor.state import Governor
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
+from tests.http_client import HTTP
 from tests.native_engine.tiny_model import random_model
 
 from .server_thread import ServerThread
@@ -46,11 +47,11 @@ class Limited:
     url: str
 
     def post(self, tenant: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(self.url + "/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer key-{tenant}"})
+        return HTTP.post(self.url + "/v1/completions", json=body, timeout=60,
+                         headers={"Authorization": f"Bearer key-{tenant}"})
 
     def metrics(self) -> str:
-        return httpx.get(self.thread.metrics_urls[self.url] + "/metrics").text
+        return HTTP.get(self.thread.metrics_urls[self.url] + "/metrics").text
 
 
 @pytest.mark.parametrize(("wait", "header"), [(0.0, "1"), (0.2, "1"), (1.0, "1"),
@@ -160,8 +161,8 @@ def test_tokens_per_min_debt_is_refused_until_refilled(limited: Limited) -> None
 def test_a_streamed_request_is_charged_too(limited: Limited) -> None:
     """A stream's tokens (from the usage chunk the governor asks for even when the client
     does not, and does not pass on) are debited like a whole response's."""
-    with httpx.stream("POST", limited.url + "/v1/completions", json={**BIG, "stream": True},
-                      timeout=60, headers={"Authorization": "Bearer key-streamed"}) as r:
+    with HTTP.stream("POST", limited.url + "/v1/completions", json={**BIG, "stream": True},
+                     timeout=60, headers={"Authorization": "Bearer key-streamed"}) as r:
         assert r.status_code == 200
         lines = list(r.iter_lines())
     assert "data: [DONE]" in lines and not any('"usage"' in line for line in lines)

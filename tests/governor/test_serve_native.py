@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from adapters.native import NativeDriver, NativeDriverConfig
 from native_engine.config import EngineConfig
+from tests.http_client import HTTP
 
 from .governor_suite import (  # noqa: F401 - the shared suite runs here
     KEYS,
@@ -42,8 +42,8 @@ def test_sec3_every_cached_block_is_in_a_governor_namespace(stack: Stack) -> Non
     """No unsalted path: after the suite's traffic, every namespace in the engine's radix
     cache is one of the tenants' governor salts."""
     gov = stack.gov
-    httpx.post(stack.urls["strict"] + "/v1/completions", json={"prompt": "x " * 40,
-               "max_tokens": 1}, headers={"Authorization": f"Bearer {KEYS['delta']}"})
+    HTTP.post(stack.urls["strict"] + "/v1/completions", json={"prompt": "x " * 40,
+              "max_tokens": 1}, headers={"Authorization": f"Bearer {KEYS['delta']}"})
     namespaces = set(stack.thread.run(gov.driver.engine.call(lambda e: e.cache.namespaces)))
     assert namespaces and namespaces <= every_salt(gov)
     assert None not in namespaces
@@ -51,10 +51,10 @@ def test_sec3_every_cached_block_is_in_a_governor_namespace(stack: Stack) -> Non
 
 def test_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:
     thread, gov, urls = stack.thread, stack.gov, stack.urls
-    with httpx.stream("POST", urls["strict"] + "/v1/completions",
-                      json={"prompt": "Tell me a long story.", "max_tokens": 200,
+    with HTTP.stream("POST", urls["strict"] + "/v1/completions",
+                     json={"prompt": "Tell me a long story.", "max_tokens": 200,
                             "stream": True, "ignore_eos": True},
-                      headers={"Authorization": f"Bearer {KEYS['acme']}"}) as r:
+                     headers={"Authorization": f"Bearer {KEYS['acme']}"}) as r:
         next(r.iter_lines())
     deadline = time.monotonic() + 30
     engine = gov.driver.engine

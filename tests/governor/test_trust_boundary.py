@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,6 +27,7 @@ from native_engine.engine import LLMEngine
 from policies.request_fields import FEATURE_GROUPS, GOVERNOR_FIELDS, ROUTE_FIELDS, FieldRules
 from schemas.engine import EngineCapabilities
 from schemas.openai import Route
+from tests.http_client import HTTP
 from tests.native_engine.tiny_model import random_model
 
 from .server_thread import ServerThread
@@ -145,11 +145,11 @@ def governed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_through_the_governor_each_is_a_400_naming_the_field(governed: str) -> None:
     auth = {"Authorization": "Bearer key-acme"}
     for extra, param in FOUND:
-        r = httpx.post(governed + "/v1/chat/completions", json={**CHAT, **extra},
-                       headers=auth, timeout=30)
+        r = HTTP.post(governed + "/v1/chat/completions", json={**CHAT, **extra},
+                      headers=auth, timeout=30)
         assert r.status_code == 400, (param, r.text)
         assert r.json()["error"]["param"] == param
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    r = httpx.post(governed + "/v1/completions", headers=auth, timeout=60,
-                   json={"prompt": "hello", "ignore_eos": True, "temperature": 0})
+    r = HTTP.post(governed + "/v1/completions", headers=auth, timeout=60,
+                  json={"prompt": "hello", "ignore_eos": True, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

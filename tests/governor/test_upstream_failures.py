@@ -24,6 +24,7 @@ from governor.serve import build_governor
 from governor.state import Governor
 from schemas.engine import EngineCapabilities
 from tests.adapters.vllm_imitation import Imitation, start_imitation
+from tests.http_client import HTTP
 
 from .server_thread import ServerThread
 
@@ -65,8 +66,8 @@ def governed(tmp_path: Path, state: Imitation | None, server: dict[str, Any] | N
 
 
 def post(url: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {KEY}"})
+    return HTTP.post(url + "/v1/chat/completions", json=body, timeout=30,
+                     headers={"Authorization": f"Bearer {KEY}"})
 
 
 def events(response: httpx.Response) -> list[Any]:
@@ -132,8 +133,8 @@ def test_engine_dying_mid_stream_ends_in_one_sse_error(tmp_path: Path) -> None:
 def test_client_disconnect_aborts_the_upstream_request(tmp_path: Path) -> None:
     state = Imitation(stream_delay_s=0.2)
     with governed(tmp_path, state) as (url, gov):
-        with httpx.stream("POST", url + "/v1/chat/completions", json={**CHAT, "stream": True},
-                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        with HTTP.stream("POST", url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                         headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
             first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["object"] == "chat.completion.chunk"
         assert eventually(state.disconnected.is_set), "the upstream request was not aborted"

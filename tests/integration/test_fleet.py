@@ -39,6 +39,7 @@ from governor.state import Governor
 from policies.salts import tenant_salt
 from schemas.engine import EngineRequest
 from tests.governor.server_thread import ServerThread
+from tests.http_client import HTTP
 
 from .native_server import (
     NativeServer,
@@ -80,11 +81,11 @@ class Fleet:
         return self.gov.driver
 
     def post(self, tenant: str, route: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(f"{self.url}/v1/{route}", json=body, timeout=300,
-                          headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+        return HTTP.post(f"{self.url}/v1/{route}", json=body, timeout=300,
+                         headers={"Authorization": f"Bearer {KEYS[tenant]}"})
 
     def upstreams(self) -> list[dict[str, Any]]:
-        r = httpx.get(f"{self.url}/admin/v1/upstreams", headers=ADMIN, timeout=30)
+        r = HTTP.get(f"{self.url}/admin/v1/upstreams", headers=ADMIN, timeout=30)
         assert r.status_code == 200, r.text
         return r.json()["data"]
 
@@ -171,8 +172,8 @@ def test_the_documented_fleet_is_probed_and_listed(fleet: Fleet) -> None:
     assert caps.prefix_reset and caps.cached_tokens_in_usage and not caps.exact_span_evict
     # The replicas really require their keys: the fleet passed them.
     b = fleet.natives["native-b"]
-    assert httpx.get(f"{b.base_url}/v1/models", timeout=10).status_code == 401
-    assert httpx.get(f"{b.base_url}/v1/models", timeout=10, headers={
+    assert HTTP.get(f"{b.base_url}/v1/models", timeout=10).status_code == 401
+    assert HTTP.get(f"{b.base_url}/v1/models", timeout=10, headers={
         "Authorization": f"Bearer {fleet.keys['native-b']}"}).status_code == 200
     samples = metric_samples(fleet)
     assert samples[("fak_upstream_up", (("upstream", "native-b"),))] == 1.0
@@ -181,7 +182,7 @@ def test_the_documented_fleet_is_probed_and_listed(fleet: Fleet) -> None:
 
 
 def metric_samples(fleet: Fleet) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(fleet.thread.metrics_urls[fleet.url] + "/metrics", timeout=10).text
+    text = HTTP.get(fleet.thread.metrics_urls[fleet.url] + "/metrics", timeout=10).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -262,7 +263,7 @@ def test_a_repeated_prefix_lands_where_it_is_cached(fleet: Fleet) -> None:
 
 def quarantine(fleet: Fleet) -> dict[str, Any]:
     text = " ".join(random.choice("abcdefgh") for _ in range(3 * BLOCK))
-    r = httpx.post(f"{fleet.url}/admin/v1/quarantine", headers=ADMIN, timeout=600, json={
+    r = HTTP.post(f"{fleet.url}/admin/v1/quarantine", headers=ADMIN, timeout=600, json={
         "tenant": "acme", "span": {"text": text}, "reason": "issue-14-test"})
     assert r.status_code == 200, r.text
     return r.json()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from governor.config import EngineSection
@@ -26,6 +25,7 @@ from tests.governor.governor_suite import (  # noqa: F401 - the shared suite run
     test_sec2_client_salt_rejected_or_stripped,
     test_sec4_same_prompt_never_shared_across_tenants,
 )
+from tests.http_client import HTTP
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -81,8 +81,8 @@ def test_sec3_no_unsalted_block_reaches_the_engine(stack: Stack) -> None:
                 payload["prompt"] = prompt
             else:
                 payload["messages"] = [{"role": "user", "content": prompt}]
-            r = httpx.post(f"{stack.urls['strict']}/v1/{route}", json=payload, timeout=300,
-                           headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+            r = HTTP.post(f"{stack.urls['strict']}/v1/{route}", json=payload, timeout=300,
+                          headers={"Authorization": f"Bearer {KEYS[tenant]}"})
             assert r.status_code == 200, r.text
     deadline = time.monotonic() + 30
     salts = {t: stack.gov.salt_for(t) for t in KEYS}

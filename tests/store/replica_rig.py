@@ -22,6 +22,7 @@ from adapters.vllm.kv_decode import decode_message
 from governor.auth import sha256_hex
 from schemas.kv_events import BlockStored
 from tests.governor.server_thread import free_port
+from tests.http_client import HTTP
 from tests.integration.native_server import NativeServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +117,7 @@ def _wait_serving(replica: Replica, timeout_s: float = 120) -> None:
         if not replica.alive():
             raise AssertionError(f"{replica.name} exited:\n{replica.log_tail()}")
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(replica.url + "/health", timeout=2).status_code == 200:
+            if HTTP.get(replica.url + "/health", timeout=2).status_code == 200:
                 return
         time.sleep(0.2)
     raise AssertionError(f"{replica.name} did not start:\n{replica.log_tail()}")

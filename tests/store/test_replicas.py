@@ -24,6 +24,7 @@ import pytest
 from governor.cli import main
 from policies.salts import SaltKey, tenant_salt
 from schemas.audit import AuditRecord
+from tests.http_client import HTTP
 from tests.integration.native_server import (
     NativeServer,
     NativeServerConfig,
@@ -78,13 +79,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 def epoch(replica: Replica, tenant: str) -> int:
-    tenants = httpx.get(replica.url + "/admin/v1/tenants", headers=ADMIN_HEADERS).json()
+    tenants = HTTP.get(replica.url + "/admin/v1/tenants", headers=ADMIN_HEADERS).json()
     return next(t["epoch"] for t in tenants["data"] if t["id"] == tenant)
 
 
 def complete(replica: Replica, tenant: str, prompt: str, timeout: float = 60) -> httpx.Response:
-    return httpx.post(replica.url + "/v1/completions", headers=auth(tenant), timeout=timeout,
-                      json={"prompt": prompt, "max_tokens": 1})
+    return HTTP.post(replica.url + "/v1/completions", headers=auth(tenant), timeout=timeout,
+                     json={"prompt": prompt, "max_tokens": 1})
 
 
 def test_rotation_on_one_replica_is_seen_by_the_others_within_the_bound(fleet: Fleet) -> None:
@@ -97,8 +98,8 @@ def test_rotation_on_one_replica_is_seen_by_the_others_within_the_bound(fleet: F
 
     def rotate() -> None:
         rotation["start"] = time.monotonic()
-        rotation["response"] = httpx.post(r1.url + "/admin/v1/tenants/acme/rotate",
-                                          headers=ADMIN_HEADERS, timeout=30)
+        rotation["response"] = HTTP.post(r1.url + "/admin/v1/tenants/acme/rotate",
+                                         headers=ADMIN_HEADERS, timeout=30)
         rotation["end"] = time.monotonic()
 
     def settled() -> bool:  # both replicas seen with the new salt, sent past the bound
@@ -141,16 +142,16 @@ def test_rotation_on_one_replica_is_seen_by_the_others_within_the_bound(fleet: F
 def test_a_quarantine_on_one_replica_is_readable_from_every_replica(fleet: Fleet) -> None:
     r1, r2, r3 = fleet.replicas
     body = {"tenant": "beta", "span": {"text": fresh_prompt()}, "reason": "ticket-4711"}
-    answer = httpx.post(r1.url + "/admin/v1/quarantine", json=body, headers=ADMIN_HEADERS,
-                        timeout=120)
+    answer = HTTP.post(r1.url + "/admin/v1/quarantine", json=body, headers=ADMIN_HEADERS,
+                       timeout=120)
     assert answer.status_code == 200, answer.text
     record = answer.json()
     assert record["plan"] == "salt_rotation"  # a ridden engine without dev mode
     for replica in (r1, r2, r3):
-        shown = httpx.get(f"{replica.url}/admin/v1/quarantine/{record['id']}",
-                          headers=ADMIN_HEADERS)
+        shown = HTTP.get(f"{replica.url}/admin/v1/quarantine/{record['id']}",
+                         headers=ADMIN_HEADERS)
         assert shown.status_code == 200 and shown.json() == record
-    missing = httpx.get(f"{r2.url}/admin/v1/quarantine/q-none", headers=ADMIN_HEADERS)
+    missing = HTTP.get(f"{r2.url}/admin/v1/quarantine/q-none", headers=ADMIN_HEADERS)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "quarantine_id"
     assert epoch(r3, "beta") == record["evidence"]["new_epoch"]
 
@@ -184,7 +185,7 @@ def test_database_down_5s_fails_closed_after_the_bound_then_resumes(fleet: Fleet
     fleet.postgres.stop("immediate")
     dead = time.monotonic()  # the server is gone: no epoch is confirmed after this
     rotations: list[httpx.Response] = []
-    rotator = threading.Thread(target=lambda: rotations.append(httpx.post(
+    rotator = threading.Thread(target=lambda: rotations.append(HTTP.post(
         replicas[0].url + "/admin/v1/tenants/gamma/rotate", headers=ADMIN_HEADERS, timeout=60)))
     rotator.start()  # waits for the database, then completes
     time.sleep(5.0)
