@@ -13,7 +13,9 @@ order that both arms follow, one request at a time, the arms interleaved (A, B, 
 for the next item). Per arm: the cached-token ratio (Σ cached_tokens / Σ prompt_tokens,
 from the responses' usage), TTFT p50 (send → first streamed chunk with a choice) and, for
 kv_aware, the routing decision's cost (the fleet's own timing of `route()`: tokenising the
-prompt, matching every rank's index, the cost formula).
+prompt, matching every rank's index, the cost formula) twice: in the run, where the core
+sits idle between requests, and back to back after it on the same fleet and caches
+(`--steady-decisions` fresh suffixes), the cost while the governor is busy.
 
 The pool is the deciding parameter: round robin puts every pair's prefix on both replicas,
 kv_aware keeps each on one, so with pools smaller than the whole working set round robin
@@ -228,8 +230,10 @@ async def run(args: argparse.Namespace, fleet: list[Replica], data_dir: Path) ->
                 arm.cached += cached
                 arm.prompt += prompt_tokens
                 arm.hits += cached > 0
+    in_situ = (list(arms[0].fleet.decision_seconds), list(arms[0].fleet.tokenize_seconds))
+    steady = steady_decisions(arms[0], systems, rng, args)
     try:
-        return summarise(args, arms, len(items))
+        return summarise(args, arms, len(items), in_situ, steady)
     finally:
         for arm in arms:
             await arm.server.stop()
@@ -237,7 +241,29 @@ async def run(args: argparse.Namespace, fleet: list[Replica], data_dir: Path) ->
             arm.gov.audit.close()
 
 
-def summarise(args: argparse.Namespace, arms: list[Arm], requests: int) -> dict:
+def steady_decisions(arm: Arm, systems: list[str], rng: random.Random,
+                     args: argparse.Namespace) -> list[float]:
+    """`--steady-decisions` routing decisions back to back on the kv_aware fleet as the run
+    left it (its shadow indexes, each tenant's token-prefix cache), each for a fresh suffix
+    prepared by the governor's own path: the decision's cost while the governor is busy,
+    without an idle core between requests (the run's one-at-a-time requests leave the
+    governor idle while the engines work, and a core woken from idle runs slower here)."""
+    times = []
+    for i in range(args.steady_decisions):
+        tenant = arm.gov.config.tenant(TENANTS[i % len(TENANTS)])
+        assert tenant is not None
+        body = {"prompt": systems[i % PROMPTS] + " " + letters(rng, args.suffix_tokens),
+                "max_tokens": 4, "temperature": 0, "stream": True}
+        prepared = arm.gov.prepare_raw(tenant, "completions", json.dumps(body).encode(),
+                                       f"steady-{i}")
+        start = time.perf_counter()
+        arm.fleet.route(prepared.request)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def summarise(args: argparse.Namespace, arms: list[Arm], requests: int,
+              in_situ: tuple[list[float], list[float]], steady: list[float]) -> dict:
     per_arm: dict[str, dict[str, Any]] = {}
     states = []
     for arm in arms:
@@ -255,8 +281,8 @@ def summarise(args: argparse.Namespace, arms: list[Arm], requests: int) -> dict:
             first_request_latency_s=arm.calibration[0],
             steady_state_latency_s=statistics.median(arm.calibration[1:]))))
     kv, rr = per_arm["kv_aware"], per_arm["round_robin"]
-    decisions = list(arms[0].fleet.decision_seconds)
-    matching = [d - t for d, t in zip(decisions, arms[0].fleet.tokenize_seconds, strict=True)]
+    decisions, tokenizing = in_situ
+    matching = [d - t for d, t in zip(decisions, tokenizing, strict=True)]
     gate = gate_comparison(states)
     return {
         "arms": per_arm,
@@ -265,6 +291,8 @@ def summarise(args: argparse.Namespace, arms: list[Arm], requests: int) -> dict:
         "routing_decision_p50_ms": statistics.median(decisions) * 1000,
         "routing_decision_p99_ms": statistics.quantiles(decisions, n=100)[-1] * 1000,
         "routing_match_and_cost_p50_ms": statistics.median(matching) * 1000,
+        "routing_steady_decision_p50_ms": statistics.median(steady) * 1000,
+        "routing_steady_decision_p99_ms": statistics.quantiles(steady, n=100)[-1] * 1000,
         "gate": {"verdict": gate.verdict, "reasons": list(gate.reasons)},
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "machine": machine(),
@@ -293,6 +321,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--calibration", type=int, default=4)
     p.add_argument("--seed", type=int, default=14)
+    p.add_argument("--steady-decisions", type=int, default=2000,
+                   help="routing decisions timed back to back after the run")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     return p.parse_args(argv)
 
@@ -315,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
           f"routing decision p50 {result['routing_decision_p50_ms']:.3f} ms "
           f"(p99 {result['routing_decision_p99_ms']:.3f} ms; without tokenising the prompt "
           f"{result['routing_match_and_cost_p50_ms']:.3f} ms)\n"
+          f"routing decision back to back p50 "
+          f"{result['routing_steady_decision_p50_ms']:.3f} ms "
+          f"(p99 {result['routing_steady_decision_p99_ms']:.3f} ms)\n"
           f"gate: {result['gate']['verdict']} {result['gate']['reasons']}\n"
           f"machine: {result['machine']}")
 
