@@ -10,10 +10,14 @@ Arms, interleaved (the order rotates every rep), medians over reps:
   aiohttp-httpx     wrk → a bare aiohttp server with an httpx client → upstream
   aiohttp-aiohttp   wrk → a bare aiohttp server with an aiohttp client → upstream
   litellm           wrk → LiteLLM's proxy → upstream (only with --litellm-bin)
+  fak-wN            wrk → fak serve --workers N → upstream (postgres state: $FAK_STATE_DSN)
+  aiohttp-aiohttp-wN  the bare aiohttp proxy in N processes on one port (SO_REUSEPORT)
   NAME              fak serve from another checkout (with --fak-arm NAME=PATH, e.g. the
                     main branch's worktree: before and after a change in one run)
 
-Added latency is fak's p50 (or p99) minus direct's, paired per rep, then the median.
+Added latency is fak's p50 (or p99) minus direct's, paired per rep, then the median. CPU
+time per request is charged to each arm's processes, the upstream and wrk: on a machine
+where they share the cores, cores / their sum bounds the req/s any arm can reach.
 Run it under the bench lock, as every measurement here:
 
     flock /tmp/fak-bench.lock .venv/bin/python bench/line_rate.py [--reps 3] [--duration 5]
@@ -28,6 +32,7 @@ import contextlib
 import hashlib
 import os
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -42,7 +47,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-KEY = "bench-key"
+KEY = "sk-" + "5eed" * 16  # LiteLLM's proxy refuses a weak master key; fak takes any
 MODEL = "smollm2"
 BODY = ('{"model":"smollm2","prompt":"Say hello in one word.","max_tokens":1,'
         '"temperature":0}')
@@ -55,6 +60,15 @@ class WrkResult:
     p50_ms: float
     p99_ms: float
     errors: int  # non-2xx answers plus socket errors
+    cpu_us: float | None = None  # the arm's own processes: CPU time per request
+    upstream_us: float | None = None  # the upstream's (when this script started it)
+    wrk_us: float = 0.0  # the load generator's
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    url: str
+    pid: int | None  # the process (with its children) charged to the arm (None: direct)
 
 
 def load_average() -> str:
@@ -92,13 +106,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], ready_url: str, root: Path = ROOT) -> Iterator[None]:
-    env = {**os.environ, "PYTHONPATH": str(root)}
+def process(cmd: list[str], ready_url: str, root: Path = ROOT,
+            env: dict[str, str] | None = None) -> Iterator[int]:
+    env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         wait_ready(ready_url, proc)
-        yield
+        yield proc.pid
     finally:
         proc.terminate()
         try:
@@ -108,10 +123,16 @@ def process(cmd: list[str], ready_url: str, root: Path = ROOT) -> Iterator[None]
             proc.wait()
 
 
-def governor_config(directory: Path, upstream: str) -> Path:
+def governor_config(directory: Path, upstream: str, shared: bool = False) -> Path:
+    """fak serve's config; `shared`: the postgres state backend `--workers` needs, its DSN in
+    $FAK_STATE_DSN (a database of its own: the bench appends to its audit log)."""
+    if shared and not os.environ.get("FAK_STATE_DSN"):
+        raise SystemExit("a fak-wN arm needs $FAK_STATE_DSN: a PostgreSQL database for the "
+                         "workers' shared state")
     digest = hashlib.sha256(KEY.encode()).hexdigest()
+    state = '[state]\nbackend = "postgres"\ndsn_env = "FAK_STATE_DSN"\n' if shared else ""
     path = directory / "fak.toml"
-    path.write_text(f"""
+    path.write_text(f"""{state}
 [server]
 data_dir = "{directory / 'data'}"
 max_engine_concurrency = 256
@@ -135,10 +156,13 @@ max_tokens = 2048
     return path
 
 
-def wrk_script(directory: Path) -> Path:
+def wrk_script(directory: Path, stream_tokens: int = 0) -> Path:
+    """The request every run sends: BODY, or a stream of `stream_tokens` chunks."""
+    body = BODY if not stream_tokens else BODY.replace(
+        '"max_tokens":1', f'"max_tokens":{stream_tokens},"stream":true')
     path = directory / "post.lua"
     path.write_text(f"""wrk.method = "POST"
-wrk.body = '{BODY}'
+wrk.body = '{body}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer {KEY}"
 """)
@@ -163,19 +187,53 @@ def parse_wrk(out: str) -> WrkResult:
     return WrkResult(rps, p50, p99, errors)
 
 
-def wrk(url: str, script: Path, concurrency: int, duration_s: float) -> WrkResult:
+def cpu_seconds(pid: int | None) -> float:
+    """User plus system CPU time of a process and its live children (a supervisor's
+    workers); 0 for None."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(OSError):
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        own += sum(cpu_seconds(int(child)) for child in children)
+    return own
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wrk(arm: Arm, script: Path, concurrency: int, duration_s: float,
+        upstream_pid: int | None = None) -> WrkResult:
+    before = (cpu_seconds(arm.pid), cpu_seconds(upstream_pid), children_cpu_seconds())
     out = subprocess.run(
         ["wrk", "-t1", f"-c{concurrency}", f"-d{duration_s:g}s", "--latency", "--timeout",
-         "10s", "-s", str(script), url],
+         "10s", "-s", str(script), arm.url + "/v1/completions"],
         check=True, capture_output=True, text=True).stdout
-    return parse_wrk(out)
+    after = (cpu_seconds(arm.pid), cpu_seconds(upstream_pid), children_cpu_seconds())
+    result = parse_wrk(out)
+    done = max(1.0, float(re.search(r"(\d+) requests in", out).group(1)))  # type: ignore[union-attr]
+    per_request = [(a - b) / done * 1e6 for a, b in zip(after, before, strict=True)]
+    return WrkResult(result.rps, result.p50_ms, result.p99_ms, result.errors,
+                     per_request[0] if arm.pid else None,
+                     per_request[1] if upstream_pid else None, per_request[2])
 
 
 # -- the bare proxies (the floor fak is measured against) ---------------------------------------
 
 
-def serve_bare_proxy(client: str, port: int, upstream: str) -> None:
-    """A ten-line aiohttp proxy: the body forwarded, the answer's bytes returned."""
+def serve_bare_proxy(client: str, port: int, upstream: str, processes: int = 1) -> None:
+    """A ten-line aiohttp proxy: the body forwarded, the answer's bytes returned; with
+    `processes` > 1, that many on the port (SO_REUSEPORT), as `fak serve --workers`."""
+    import multiprocessing
+
+    if processes > 1:
+        ctx = multiprocessing.get_context("spawn")
+        for _ in range(processes - 1):
+            ctx.Process(target=serve_bare_proxy, args=(client, port, upstream),
+                        kwargs={"processes": -1}, daemon=True).start()
     from aiohttp import ClientSession, TCPConnector, web
 
     target = upstream + "/v1/completions"
@@ -212,38 +270,45 @@ def serve_bare_proxy(client: str, port: int, upstream: str) -> None:
     app = web.Application()
     app.router.add_get("/health", health)
     app.cleanup_ctx.append(with_aiohttp if client == "aiohttp" else with_httpx)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
+                reuse_port=processes != 1)
 
 
 # -- the run --------------------------------------------------------------------------------------
 
 
 def start_arms(stack: contextlib.ExitStack, tmp: Path, upstream: str,
-               args: argparse.Namespace) -> dict[str, str]:
-    """Every arm's base URL (the upstream itself is `direct`)."""
+               args: argparse.Namespace) -> dict[str, Arm]:
+    """Every arm (the upstream itself is `direct`)."""
     py = sys.executable
-    arms = {"direct": upstream}
+    arms = {"direct": Arm(upstream, None)}
     for name in args.arms:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        if name == "fak" or name in args.fak_roots:
+        workers = re.fullmatch(r"(fak|aiohttp-aiohttp)-w(\d+)", name)
+        if name == "fak" or name in args.fak_roots or (workers and workers[1] == "fak"):
             root = Path(args.fak_roots.get(name, ROOT)).resolve()
             (tmp / name).mkdir()
-            config = governor_config(tmp / name, upstream)
+            config = governor_config(tmp / name, upstream, shared=workers is not None)
             cmd = [py, "-m", "governor.cli", "serve", "--config", str(config), "--port",
                    str(port), "--metrics-port", str(free_port()), "--init-key"]
-            stack.enter_context(process(cmd, base + "/ready", root))
-        elif name in ("aiohttp-httpx", "aiohttp-aiohttp"):
-            cmd = [py, __file__, "proxy", name.split("-")[1], str(port), upstream]
-            stack.enter_context(process(cmd, base + "/health"))
+            if workers:
+                cmd += ["--workers", workers[2]]
+            pid = stack.enter_context(process(cmd, base + "/ready", root))
+        elif name in ("aiohttp-httpx", "aiohttp-aiohttp") or workers:
+            client = name.split("-")[1]
+            cmd = [py, __file__, "proxy", client, str(port), upstream,
+                   workers[2] if workers else "1"]
+            pid = stack.enter_context(process(cmd, base + "/health"))
         elif name == "litellm":
             cmd = [args.litellm_bin, "--model", f"hosted_vllm/{MODEL}", "--api_base",
                    upstream + "/v1", "--host", "127.0.0.1", "--port", str(port),
                    "--num_workers", "1"]
-            stack.enter_context(process(cmd, base + "/health/liveliness"))
+            pid = stack.enter_context(process(cmd, base + "/health/liveliness",
+                                              env={"LITELLM_MASTER_KEY": KEY}))
         else:
             raise SystemExit(f"unknown arm {name!r}")
-        arms[name] = base
+        arms[name] = Arm(base, pid)
     return arms
 
 
@@ -253,34 +318,38 @@ def run(args: argparse.Namespace) -> None:
     print(f"CPU: {cpu_flags()}; load average at start {load_average()}")
     with tempfile.TemporaryDirectory() as tmpdir, contextlib.ExitStack() as stack:
         tmp = Path(tmpdir)
-        upstream = args.upstream_url
+        upstream, upstream_pid = args.upstream_url, None
         if upstream is None:
             port = free_port()
             upstream = f"http://127.0.0.1:{port}"
-            stack.enter_context(process([sys.executable, "bench/instant_upstream.py",
-                                         "--port", str(port)], upstream + "/health"))
+            upstream_pid = stack.enter_context(process(
+                [sys.executable, "bench/instant_upstream.py", "--port", str(port)],
+                upstream + "/health"))
         arms = start_arms(stack, tmp, upstream, args)
-        script = wrk_script(tmp)
-        for base in arms.values():  # warm-up, discarded
-            wrk(base + "/v1/completions", script, 16, 1)
+        script = wrk_script(tmp, args.stream_tokens)
+        for arm in arms.values():  # warm-up, discarded
+            wrk(arm, script, 16, 1)
         results: dict[tuple[str, int], list[WrkResult]] = {}
         names = list(arms)
         for rep in range(args.reps):
             for c in args.concurrency:
                 shift = (rep + c) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    got = wrk(arms[name] + "/v1/completions", script, c, args.duration)
+                    got = wrk(arms[name], script, c, args.duration, upstream_pid)
                     results.setdefault((name, c), []).append(got)
             print(f"  rep {rep + 1}/{args.reps} done; load average {load_average()}",
                   flush=True)
+        what = (f"streaming, {args.stream_tokens} chunks" if args.stream_tokens
+                else "non-streaming, max_tokens=1")
+        print(f"\nrequests: {what}")
         report(results, names, args.concurrency,
-               [n for n in names if n == "fak" or n in args.fak_roots])
+               [n for n in names if n == "fak" or n in args.fak_roots or n.startswith("fak-w")])
     print(f"load average at the end {load_average()}")
 
 
 def report(results: dict[tuple[str, int], list[WrkResult]], names: list[str],
            levels: list[int], governors: list[str]) -> None:
-    print("\nreq/s, p50, p99 (medians over reps; wrk -t1, non-streaming max_tokens=1)")
+    print("\nreq/s, p50, p99 (medians over reps; wrk -t1)")
     print("| concurrency | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for c in levels:
@@ -292,6 +361,19 @@ def report(results: dict[tuple[str, int], list[WrkResult]], names: list[str],
                     f"p50 {statistics.median(r.p50_ms for r in runs):.2f} ms, "
                     f"p99 {statistics.median(r.p99_ms for r in runs):.2f} ms")
             cells.append(cell + (f" ({errors} errors)" if errors else ""))
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    print("\nCPU µs per request (medians): the arm's processes + the upstream + wrk = total; "
+          "the ceiling is cores / total")
+    for c in levels:
+        cells = []
+        for name in names:
+            runs = results[(name, c)]
+            arm = statistics.median(r.cpu_us or 0.0 for r in runs)
+            up = statistics.median(r.upstream_us or 0.0 for r in runs)
+            load = statistics.median(r.wrk_us for r in runs)
+            total = arm + up + load
+            cells.append(f"{arm:.0f} + {up:.0f} + {load:.0f} = {total:.0f} "
+                         f"(≤ {(os.cpu_count() or 1) / total * 1e6:,.0f} req/s)")
         print(f"| {c} | " + " | ".join(cells) + " |")
     for gov in governors:
         print(f"\n{gov} against direct (paired per rep, median):")
@@ -307,12 +389,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["proxy"]:
         client, port, upstream = argv[1], int(argv[2]), argv[3]
-        serve_bare_proxy(client, port, upstream)
+        serve_bare_proxy(client, port, upstream, int(argv[4]) if len(argv) > 4 else 1)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--upstream-url", help="an engine already running (default: start "
                         "bench/instant_upstream.py)")
-    parser.add_argument("--arms", type=lambda s: s.split(","),
+    parser.add_argument("--arms", type=lambda s: [a for a in s.split(",") if a],
                         default=["fak", "aiohttp-httpx", "aiohttp-aiohttp"],
                         help="comma-separated, besides direct")
     parser.add_argument("--litellm-bin", help="LiteLLM's `litellm` executable (adds the arm)")
@@ -322,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
                         default=[1, 16, 64])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--stream-tokens", type=int, default=0, help="stream this many "
+                        "chunks per request instead (0: the table's non-streaming requests)")
     args = parser.parse_args(argv)
     if args.litellm_bin and "litellm" not in args.arms:
         args.arms.append("litellm")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from governor.admin_client import add_quarantine_parser, add_tenants_parser
 from governor.bench.cli import add_bench_parser
-from governor.config import ConfigError
+from governor.config import ConfigError, ServerConfig
 from governor.isolation.cli import add_isolation_parser
 from governor.secrets import StartupRefused
 
@@ -25,6 +25,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir")
     p.add_argument("--init-key", action="store_true",
                    help="create the salt key in data_dir if it is missing")
+    p.add_argument("--workers", type=int, help="governor processes sharing the port "
+                   f"(SO_REUSEPORT; more than 1 needs the postgres state backend; default: "
+                   f"[server] workers, else {ServerConfig().workers})")
 
 
 def _add_audit(sub: argparse._SubParsersAction) -> None:
@@ -127,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from governor.serve import cmd_serve
 
             return cmd_serve(args.config, args.host, args.port, args.data_dir, args.init_key,
-                             args.metrics_port)
+                             args.metrics_port, args.workers)
         if args.command == "generate":
             from native_engine.generate_cli import cmd_generate
 

@@ -23,6 +23,7 @@ class ServerConfig:
     connections. Admission waits at most `admission_wait_s`, with at most `max_queued`
     waiters in all. `/metrics` is served on its own listener (`metrics_host`,
     `metrics_port`, None: `port + 1`), and on the tenant port only to `metrics_token_sha256`.
+    `workers` governor processes share the tenant port (governor.workers; 1: this process).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +47,7 @@ class ServerConfig:
     metrics_port: int | None = None
     metrics_token_sha256: str | None = None
     metrics_refresh_s: float = 5.0
+    workers: int = 1
 
     @property
     def metrics_listen_port(self) -> int:

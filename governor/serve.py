@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.driver import EngineDriver
-from governor.audit.log import AuditLog, AuditLogConfig
+from governor.audit.log import AuditLog, AuditLogConfig, AuditLogError, load_or_create_signing_key
 from governor.auth import sha256_hex
 from governor.config import (
     ConfigError,
@@ -30,10 +32,12 @@ from governor.config import (
 from governor.http.server import GovernorServer
 from governor.secrets import StartupRefused, TenantEpochs, load_salt_key
 from governor.state import Governor
+from governor.workers import WorkerSlot, serve_workers
 from policies.salts import SaltKey, SaltKeyError, kv_namespace_key
 
 log = logging.getLogger("fak.serve")
 SHUTDOWN_WAIT_S = 10.0  # for the audit's last writes when the state database is away
+WORKER_STOP_GRACE_S = 15.0  # a worker's stop beyond its drain and the audit's wait
 
 
 def dev_config(data_dir: Path) -> tuple[GovernorConfig, str, str]:
@@ -146,26 +150,50 @@ async def start_driver(driver: EngineDriver) -> None:
         raise StartupRefused(f"upstream refused: {exc}") from None
 
 
-async def run_governor(gov: Governor, server: ServerConfig) -> None:
+async def run_governor(gov: Governor, server: ServerConfig,
+                       worker: WorkerSlot | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; as one of `fak serve --workers N` (governor.workers) on
+    the shared port, telling the parent once serving and stopping when the parent is gone."""
     await start_driver(gov.driver)
     listeners = GovernorServer(gov)
     await listeners.start(server.host, server.port, server.metrics_host,
-                          server.metrics_listen_port)
-    print(f"fak: serving on {listeners.url} (metrics on {listeners.metrics_url})", flush=True)
+                          server.metrics_listen_port, reuse_port=worker is not None)
+    # Everything built so far lives as long as the process: out of the collector's way, so
+    # a full collection under load walks only what requests allocate (issue 19: p99).
+    gc.collect()
+    gc.freeze()
+    name = "" if worker is None else f"worker {worker.index} (pid {os.getpid()}) "
+    print(f"fak: {name}serving on {listeners.url} (metrics on {listeners.metrics_url})",
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     checkpoints = asyncio.create_task(checkpoint_loop(gov))
+    orphaned = None
+    if worker is not None:
+        worker.ready.put(worker.index)
+        orphaned = asyncio.create_task(stop_when_orphaned(worker.parent_pid, stop))
     try:
         await stop.wait()
     finally:
         gov.draining = True
         await drain(gov, server.drain_timeout_s)
         checkpoints.cancel()
+        if orphaned is not None:
+            orphaned.cancel()
         await listeners.stop()
         await gov.driver.close()
         await close_audit(gov)
+
+
+async def stop_when_orphaned(parent_pid: int, stop: asyncio.Event, every_s: float = 1.0
+                             ) -> None:
+    """A worker whose supervisor died (even by SIGKILL) is re-parented: it stops."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(every_s)
+    log.error("fak serve's supervisor (pid %d) is gone; this worker stops", parent_pid)
+    stop.set()
 
 
 async def checkpoint_loop(gov: Governor, every_s: float = 1.0) -> None:
@@ -213,8 +241,10 @@ async def drain(gov: Governor, deadline_s: float) -> None:
 
 def cmd_serve(config_path: str | None, host: str | None, port: int | None,
               data_dir: str | None, init_key: bool = False,
-              metrics_port: int | None = None) -> int:
-    """With a config the salt key must exist unless `init_key`; the dev setup makes one."""
+              metrics_port: int | None = None, workers: int | None = None) -> int:
+    """With a config the salt key must exist unless `init_key`; the dev setup makes one.
+    `workers` (None: the config's) > 1 runs that many governors on the port
+    (governor.workers)."""
     if config_path:
         config, create_key, banner = load_config(Path(config_path)), init_key, None
     else:
@@ -231,8 +261,19 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
         server = replace(server, metrics_port=metrics_port)
     if data_dir and config_path:
         server = replace(server, data_dir=Path(data_dir))
+    if workers is not None:
+        if workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {workers}")
+        server = replace(server, workers=workers)
     config = replace(config, server=server)
     key = governor_salt_key(config, create_key)
+    if server.workers > 1:
+        try:  # made once, here: workers starting together would race to create it
+            load_or_create_signing_key(audit_log_config(config).key_path)
+        except AuditLogError as exc:
+            raise StartupRefused(str(exc)) from None
+        return serve_workers(config, worker_main,
+                             server.drain_timeout_s + SHUTDOWN_WAIT_S + WORKER_STOP_GRACE_S)
     driver = build_driver(config, key)
     gov = build_governor(config, driver, create_key, key)
     if banner:
@@ -240,6 +281,22 @@ def cmd_serve(config_path: str | None, host: str | None, port: int | None,
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(run_governor(gov, server))
     return 0
+
+
+def worker_main(config: GovernorConfig, slot: WorkerSlot) -> None:
+    """One process of `fak serve --workers N` (spawned by governor.workers): the governor of
+    its share of `config`; a start-up refusal is printed in one line, exit code 2."""
+    try:
+        key = governor_salt_key(config, create_key=False)  # the parent made it if asked
+        driver = build_driver(config, key)
+        gov = build_governor(config, driver, False, key)
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(run_governor(gov, config.server, slot))
+    except (ConfigError, StartupRefused) as exc:
+        print(f"fak: worker {slot.index}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:  # a Ctrl-C reaches the whole process group; the parent stops us
+        pass
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

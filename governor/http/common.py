@@ -29,6 +29,11 @@ def error_response(err: APIError) -> web.Response:
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
+    if request.content.is_eof():  # all of it came with the head: no wait, no timer
+        body = request.content.read_nowait()
+        if len(body) > limit:
+            raise too_large(limit)
+        return body
     parts: list[bytes] = []
     size = 0
     try:

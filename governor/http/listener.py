@@ -147,13 +147,15 @@ def head_tracking(guard: ListenerGuard) -> Any:
 
 
 async def start_guarded_site(runner: web.AppRunner, guard: ListenerGuard, host: str,
-                             port: int) -> asyncio.Server:
-    """Listen on (host, port) with every connection's aiohttp protocol guarded."""
+                             port: int, reuse_port: bool = False) -> asyncio.Server:
+    """Listen on (host, port) with every connection's aiohttp protocol guarded;
+    `reuse_port` shares the port with other processes (SO_REUSEPORT)."""
     server = runner.server
     assert server is not None, "runner.setup() first"
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: GuardedProtocol(server(), guard), host, port,
-                                    reuse_address=True, backlog=LISTEN_BACKLOG)
+                                    reuse_address=True, reuse_port=reuse_port or None,
+                                    backlog=LISTEN_BACKLOG)
 
 
 async def stop_site(listener: asyncio.Server) -> None:

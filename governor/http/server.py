@@ -30,8 +30,10 @@ class GovernorServer:
     def _refused(self, reason: str) -> None:
         self.gov.metrics.connections_refused.labels(reason).inc()
 
-    async def start(self, host: str, port: int, metrics_host: str, metrics_port: int) -> None:
-        """Bind both ports (0: any free port); `url` and `metrics_url` say where."""
+    async def start(self, host: str, port: int, metrics_host: str, metrics_port: int,
+                    reuse_port: bool = False) -> None:
+        """Bind both ports (0: any free port); `url` and `metrics_url` say where.
+        `reuse_port`: the tenant port is shared with other workers (SO_REUSEPORT)."""
         server = self.gov.config.server
         main = web.AppRunner(build_app(self.gov, self.guard), handler_cancellation=True,
                              keepalive_timeout=server.keepalive_timeout_s,
@@ -40,7 +42,7 @@ class GovernorServer:
         for runner in (main, metrics):
             await runner.setup()
             self._runners.append(runner)
-        listener = await start_guarded_site(main, self.guard, host, port)
+        listener = await start_guarded_site(main, self.guard, host, port, reuse_port)
         self._listeners.append(listener)
         self.url = _url(listener)
         site = web.TCPSite(metrics, metrics_host, metrics_port)

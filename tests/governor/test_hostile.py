@@ -222,6 +222,13 @@ def test_bodies_are_read_whole(hostile: Hostile) -> None:
     assert r.status_code == 200, r.text
     assert_error(hostile.post("/v1/completions", content=padded + b" ",
                               headers={"Content-Type": "application/json"}), 413)
+    # Chunked (no Content-Length): the same limit on the bytes, whether the whole body came
+    # with the head (read at once) or after it.
+    r = hostile.post("/v1/completions", content=iter([padded]),
+                     headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert_error(hostile.post("/v1/completions", content=iter([padded + b" "]),
+                              headers={"Content-Type": "application/json"}), 413)
     # A 256 KiB prompt is read whole: the engine, not the parser, answers.
     r = hostile.post("/v1/completions", {"prompt": "a " * (128 << 10), "max_tokens": 1})
     assert_error(r, 400, "input_tokens")
