@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MEDIUM = "GPU"
 DEFAULT_CAPACITY = 1 << 18  # blocks, until the engine's own block count is known
-NAMESPACE_MEMO = 4096  # salts whose namespace digest is kept
 _MM_HASH = re.compile(r"[0-9a-f]{64}")
 
 
@@ -135,7 +134,6 @@ class ShadowIndex:
         self._by_namespace: dict[str | None, set[int]] = {}
         self._uncertain: set[int] = set()
         self._by_chain: dict[bytes, int] = {}
-        self._namespace_ids: dict[str, str] = {}
         self.anomalies = 0
         self.overflow_drops = 0
 
@@ -145,16 +143,9 @@ class ShadowIndex:
         self.capacity = capacity
 
     def namespace_id(self, salt: str | None) -> str | None:
-        """How this index names the namespace of `salt` (None stays None). Memoised: the
-        router asks per request; salts are the governor's, a few per tenant."""
-        if salt is None:
-            return None
-        digest = self._namespace_ids.get(salt)
-        if digest is None:
-            if len(self._namespace_ids) >= NAMESPACE_MEMO:
-                self._namespace_ids.clear()
-            digest = self._namespace_ids[salt] = namespace_digest(self._key, salt)
-        return digest
+        """How this index names the namespace of `salt` (None stays None). Not memoised:
+        the index never holds a salt (SEC-17)."""
+        return None if salt is None else namespace_digest(self._key, salt)
 
     def __len__(self) -> int:
         return len(self._blocks)
