@@ -1,12 +1,10 @@
 """What this machine computes fastest, decided once at start-up from its CPU flags.
 
 The dtype follows the matrix units: bf16 where the CPU multiplies bf16 natively (AMX tiles
-or AVX512-BF16; oneDNN then runs the linears). On a CPU whose oneDNN cannot pack bf16 at all
-(AVX2 only) bf16 too, with widened linears (`native_engine.kernels.linear`): a decode reads
-bf16 weights (half the bytes; the 30 layers' linears of SmolLM2 at one row 39 against 70 ms
-in fp32 on the 2-core AVX2 EPYC, 1 thread) and larger batches run fp32 SGEMM on a float32
-copy, as fast as a float32 model. float32 elsewhere (oneDNN's emulated bf16 on AVX512
-without BF16 is not measured). CUDA gets bf16 and the Triton kernels. The choice is printed
+or AVX512-BF16; oneDNN then runs the linears), float32 elsewhere. Measured on the 2-core
+AVX2 EPYC (no AMX, no AVX512-BF16): the 30 layers' linears of SmolLM2 at 64 rows took
+2,140 ms in bf16 against 239 ms in fp32, and 26 against 44 ms at one row (1 thread), so an
+AVX2 machine gets float32. CUDA gets bf16 and the Triton kernels. The choice is printed
 (`describe`) and exported as an info gauge on `/metrics` (`labels`).
 """
 
@@ -17,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from native_engine.kernels.linear import onednn_packs
 
 # Flags that decide the choice (as /proc/cpuinfo spells them).
 BF16_MATRIX_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
@@ -62,7 +58,6 @@ class ComputeChoice:
     device: str
     dtype: str
     attention: str
-    decode_attention_dtype: str
     linear: str
     num_threads: int
     cpu_capability: str
@@ -70,27 +65,21 @@ class ComputeChoice:
 
     def describe(self) -> str:
         return (f"compute: device={self.device} dtype={self.dtype} attention={self.attention} "
-                f"decode_attention_dtype={self.decode_attention_dtype} linear={self.linear} "
-                f"threads={self.num_threads} "
+                f"linear={self.linear} threads={self.num_threads} "
                 f"cpu_capability={self.cpu_capability} flags={','.join(self.flags) or '-'}")
 
     def labels(self) -> dict[str, str]:
         return {"device": self.device, "dtype": self.dtype, "attention": self.attention,
-                "decode_attention_dtype": self.decode_attention_dtype, "linear": self.linear,
-                "threads": str(self.num_threads),
+                "linear": self.linear, "threads": str(self.num_threads),
                 "cpu_capability": self.cpu_capability, "cpu_flags": ",".join(self.flags)}
 
 
-def auto_dtype(device: torch.device, flags: frozenset[str] | None = None,
-               packs_bf16: bool | None = None) -> torch.dtype:
-    """bfloat16 on CUDA, on CPUs with bf16 matrix units and on CPUs whose oneDNN cannot pack
-    bf16 (`packs_bf16`, None: probed; the widened linears run there); float32 otherwise."""
+def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+    """bfloat16 on CUDA and on CPUs with bf16 matrix units, float32 otherwise."""
     if device.type == "cuda":
         return torch.bfloat16
-    if has_fast_bf16(cpu_flags() if flags is None else flags):
-        return torch.bfloat16
-    packs = onednn_packs(torch.bfloat16) if packs_bf16 is None else packs_bf16
-    return torch.float32 if packs else torch.bfloat16
+    return torch.bfloat16 if has_fast_bf16(cpu_flags() if flags is None else flags) \
+        else torch.float32
 
 
 def reported_flags(flags: frozenset[str]) -> tuple[str, ...]:

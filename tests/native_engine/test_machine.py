@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from native_engine.kernels.linear import onednn_packs
 from native_engine.model.machine import (
     ComputeChoice,
     auto_dtype,
@@ -34,9 +33,8 @@ def test_bf16_only_with_matrix_units() -> None:
     assert has_fast_bf16(SAPPHIRE)
     assert has_fast_bf16(AVX2 | {"avx512_bf16"})
     cpu = torch.device("cpu")
-    assert auto_dtype(cpu, AVX2, packs_bf16=False) == torch.bfloat16  # widened linears
-    assert auto_dtype(cpu, AVX2 | {"avx512f"}, packs_bf16=True) == torch.float32
-    assert auto_dtype(cpu, SAPPHIRE, packs_bf16=True) == torch.bfloat16
+    assert auto_dtype(cpu, AVX2) == torch.float32
+    assert auto_dtype(cpu, SAPPHIRE) == torch.bfloat16
     assert auto_dtype(torch.device("cuda"), AVX2) == torch.bfloat16
     assert reported_flags(SAPPHIRE) == ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f",
                                         "avx2", "fma", "f16c")
@@ -47,13 +45,11 @@ def test_runner_reports_its_choice_for_this_machine() -> None:
                          random_model())
     choice = runner.compute
     assert isinstance(choice, ComputeChoice)
-    fast = has_fast_bf16(cpu_flags()) or not onednn_packs(torch.bfloat16)
-    want = torch.bfloat16 if fast else torch.float32
+    want = torch.bfloat16 if has_fast_bf16(cpu_flags()) else torch.float32
     assert runner.dtype == want and choice.dtype == str(want).removeprefix("torch.")
     assert choice.attention == "torch_fast" and choice.num_threads == 1
     assert choice.cpu_capability == torch.backends.cpu.get_cpu_capability()
     assert set(choice.flags) <= cpu_flags()
     line = choice.describe()
     assert f"dtype={choice.dtype}" in line and f"linear={choice.linear}" in line
-    assert f"decode_attention_dtype={choice.decode_attention_dtype}" in line
     assert choice.labels()["cpu_flags"] == ",".join(choice.flags)
