@@ -15,9 +15,11 @@ ids(U) == ids(T)[:n] + ids(U[c:]), n being T's token count before c. Boundaries 
 from the tokenizer's own word ids and offsets (two tokens of different pre-tokens whose
 offsets touch), never re-derived here. The property test compares with a full encode.
 
-Checkpoints every `stride` characters map the hash of a text's prefix to the most recent
-text holding it; a lookup binary-searches the longest verified prefix (prefixes shared at
-L are shared at every shorter L). Texts are kept in LRU order, at most `capacity`.
+Checkpoints every `stride` characters map a chained hash of a text's prefix (each key
+hashes the previous one with the next `stride` characters, so keying a text is linear in
+its length, never quadratic) to the most recent text holding it; a lookup binary-searches
+the longest verified prefix (prefixes shared at L are shared at every shorter L). Texts
+are kept in LRU order, at most `capacity`.
 
 Texts are shared only within a `namespace` (the router passes the tenant): a cache shared
 across tenants would let one time whether another sent a prompt (a hit is faster), the
@@ -98,7 +100,8 @@ class TokenPrefixCache:
                 "BPE" and _pre_tokenizer_ok(spec.get("pre_tokenizer")) and added_plain)
 
     def encode(self, text: str, namespace: str | None = None) -> list[int]:
-        base, length = self._longest(text, namespace)
+        keys = self._keys(text, namespace)
+        base, length = self._longest(text, namespace, keys)
         if base is None:
             self.stats.misses += 1
             entry = _Text(namespace, text, [])
@@ -115,7 +118,7 @@ class TokenPrefixCache:
                           base.counts[:i + 1])
             self.stats.reused_tokens += count
             self._extend(entry, cut, count, text[cut:])
-        self._remember(entry, length)
+        self._remember(entry, keys[length // self.stride:])
         return list(entry.ids)
 
     def margin(self, text: str, length: int) -> int:
@@ -127,18 +130,27 @@ class TokenPrefixCache:
             return max(REGEX_LOOKAHEAD, self.longest_added) + 1
         return REGEX_LOOKAHEAD + 1
 
-    def _longest(self, text: str, namespace: str | None) -> tuple[_Text | None, int]:
+    def _keys(self, text: str, namespace: str | None) -> list[int]:
+        """Key of each checkpointed prefix of `text` (lengths stride, 2·stride, ...)."""
+        keys, key = [], hash(namespace)
+        for start in range(0, len(text) - self.stride + 1, self.stride):
+            key = hash((key, text[start:start + self.stride]))
+            keys.append(key)
+        return keys
+
+    def _longest(self, text: str, namespace: str | None,
+                 keys: list[int]) -> tuple[_Text | None, int]:
         """The text of `namespace` holding the longest checkpointed prefix of `text`, and
         that length."""
-        low, high = 1, len(text) // self.stride
+        low, high = 1, len(keys)
         best, found = None, 0
         while low <= high:
             mid = (low + high) // 2
-            prefix = text[:mid * self.stride]
-            holder = self._checkpoints.get(hash((namespace, prefix)))
+            holder = self._checkpoints.get(keys[mid - 1])
+            length = mid * self.stride
             if holder is not None and holder.namespace == namespace and \
-                    holder.text.startswith(prefix):
-                best, found, low = holder, mid * self.stride, mid + 1
+                    len(holder.text) >= length and text.startswith(holder.text[:length]):
+                best, found, low = holder, length, mid + 1
             else:
                 high = mid - 1
         return best, found
@@ -153,11 +165,10 @@ class TokenPrefixCache:
                 entry.cuts.append(cut + offsets[i][0])
                 entry.counts.append(count + i)
 
-    def _remember(self, entry: _Text, shared: int) -> None:
+    def _remember(self, entry: _Text, keys: list[int]) -> None:
         """Checkpoints past the prefix already held by another text (that one stays the
         holder; it was just touched)."""
-        for length in range(shared + self.stride, len(entry.text) + 1, self.stride):
-            key = hash((entry.namespace, entry.text[:length]))
+        for key in keys:
             self._checkpoints[key] = entry
             entry.keys.append(key)
         self._texts[id(entry)] = entry

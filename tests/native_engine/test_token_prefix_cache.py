@@ -99,3 +99,14 @@ def test_texts_are_reused_only_within_their_namespace(tokenizer: Tokenizer) -> N
     cache.encode(text + "alice again", "alice")
     assert (cache.stats.hits, cache.stats.misses) == (1, 2)
     cache.check_integrity()
+
+
+def test_keying_a_long_text_is_linear(tokenizer: Tokenizer) -> None:
+    """A hostile 512 KiB prompt: keying its 16,384 checkpoints hashes each character once
+    (prefix-by-prefix hashing would read ~4·10⁹ characters)."""
+    cache = TokenPrefixCache(tokenizer)
+    text = "ab " * (170 << 10)
+    keys = cache._keys(text, "mallory")
+    assert len(keys) == len(text) // cache.stride and len(set(keys)) == len(keys)
+    assert cache._keys(text[:96] + "x", "mallory")[:3] == keys[:3]
+    assert cache._keys(text[:96], "alice") != keys[:3]
