@@ -58,6 +58,7 @@ class ComputeChoice:
     device: str
     dtype: str
     attention: str
+    decode_attention_dtype: str
     linear: str
     num_threads: int
     cpu_capability: str
@@ -65,12 +66,14 @@ class ComputeChoice:
 
     def describe(self) -> str:
         return (f"compute: device={self.device} dtype={self.dtype} attention={self.attention} "
-                f"linear={self.linear} threads={self.num_threads} "
+                f"decode_attention_dtype={self.decode_attention_dtype} linear={self.linear} "
+                f"threads={self.num_threads} "
                 f"cpu_capability={self.cpu_capability} flags={','.join(self.flags) or '-'}")
 
     def labels(self) -> dict[str, str]:
         return {"device": self.device, "dtype": self.dtype, "attention": self.attention,
-                "linear": self.linear, "threads": str(self.num_threads),
+                "decode_attention_dtype": self.decode_attention_dtype, "linear": self.linear,
+                "threads": str(self.num_threads),
                 "cpu_capability": self.cpu_capability, "cpu_flags": ",".join(self.flags)}
 
 
