@@ -4,8 +4,14 @@ The dtype follows the matrix units: bf16 where the CPU multiplies bf16 natively 
 or AVX512-BF16; oneDNN then runs the linears), float32 elsewhere. Measured on the 2-core
 AVX2 EPYC (no AMX, no AVX512-BF16): the 30 layers' linears of SmolLM2 at 64 rows took
 2,140 ms in bf16 against 239 ms in fp32, and 26 against 44 ms at one row (1 thread), so an
-AVX2 machine gets float32. CUDA gets bf16 and the Triton kernels. The choice is printed
-(`describe`) and exported as an info gauge on `/metrics` (`labels`).
+AVX2 machine gets float32. `--dtype bfloat16` there runs widened linears
+(`native_engine.kernels.linear`; batch-1 decode 16.2 against 10.5 tok/s in fp32) but stays
+opt-in: its greedy output is bf16's, and at a near-tie it follows the kernel, not the prompt —
+the README's question ("What is the capital of France?", fp32 margin 0.08 between "The" and
+"L" at logit 25.3, where bf16 logits are 0.125 apart) answered "The…" after a whole prefill
+(fp32 SGEMM) and "L'Étoile…" after a cached one (one row, bf16 GEMV). CUDA gets bf16 and the
+Triton kernels. The choice is printed (`describe`) and exported as an info gauge on
+`/metrics` (`labels`).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class ComputeChoice:
     device: str
     dtype: str
     attention: str
+    decode_attention_dtype: str
     linear: str
     num_threads: int
     cpu_capability: str
@@ -65,12 +72,14 @@ class ComputeChoice:
 
     def describe(self) -> str:
         return (f"compute: device={self.device} dtype={self.dtype} attention={self.attention} "
-                f"linear={self.linear} threads={self.num_threads} "
+                f"decode_attention_dtype={self.decode_attention_dtype} linear={self.linear} "
+                f"threads={self.num_threads} "
                 f"cpu_capability={self.cpu_capability} flags={','.join(self.flags) or '-'}")
 
     def labels(self) -> dict[str, str]:
         return {"device": self.device, "dtype": self.dtype, "attention": self.attention,
-                "linear": self.linear, "threads": str(self.num_threads),
+                "decode_attention_dtype": self.decode_attention_dtype, "linear": self.linear,
+                "threads": str(self.num_threads),
                 "cpu_capability": self.cpu_capability, "cpu_flags": ",".join(self.flags)}
 
 

@@ -133,9 +133,12 @@ class ModelRunner:
         self.stop_token_ids = loaded.tokenizer.stop_token_ids
         kernels = select_backend(config.attention_backend, self.device)
         self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, kernels)
+        decode_dtype = getattr(kernels, "decode_dtype", lambda dtype, device: dtype)
         self.compute = ComputeChoice(
             device=self.device.type, dtype=dtype_name(self.dtype),
-            attention=kernels.__name__.rsplit(".", 1)[-1], linear=self.model.linear_kind,
+            attention=kernels.__name__.rsplit(".", 1)[-1],
+            decode_attention_dtype=dtype_name(decode_dtype(self.dtype, self.device)),
+            linear=self.model.linear_kind,
             num_threads=num_threads, cpu_capability=torch.backends.cpu.get_cpu_capability(),
             flags=reported_flags(flags))
         log.info("%s", self.compute.describe())

@@ -20,7 +20,7 @@ from native_engine.async_engine import (
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
 from native_engine.request import SamplingParams
-from schemas.engine import EngineError
+from schemas.engine import Determinism, EngineError
 from tests.native_engine.tiny_model import random_model
 
 
@@ -57,6 +57,17 @@ async def until(d: NativeDriver, state: EngineState) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"never {state}: {d.liveness()}")
+
+
+async def test_declares_determinism_unavailable() -> None:
+    """No batch invariance is claimed: torch_fast pads a step's decodes to its longest
+    context, and a widened bf16 linear runs a different kernel past GEMV_ROWS rows
+    (tests/native_engine/test_llama_ops.py), so a request's numerics follow its batch."""
+    d = await driver()
+    try:
+        assert d.capabilities.determinism is Determinism.UNAVAILABLE
+    finally:
+        await d.close()
 
 
 async def test_alive_follows_a_restart(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native_engine.kernels.linear import Linear, choose_linear, onednn_packs
+from native_engine.kernels.linear import GEMV_ROWS, Linear, choose_linear, onednn_packs
 from native_engine.model.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
 from tests.native_engine.tiny_model import tiny_config
 
@@ -58,5 +58,24 @@ def test_linear_choice_per_dtype_and_device() -> None:
     cpu = torch.device("cpu")
     assert choose_linear(torch.float32, cpu) == "aten"
     assert choose_linear(torch.bfloat16, torch.device("cuda")) == "aten"
-    want = "onednn" if onednn_packs(torch.bfloat16) else "aten"
+    want = "onednn" if onednn_packs(torch.bfloat16) else "widened"
     assert choose_linear(torch.bfloat16, cpu) == want
+
+
+@pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1, 64])
+def test_widened_linear_is_bf16_math_on_either_side_of_the_threshold(rows: int) -> None:
+    """Both sides compute the bf16 values with fp32 accumulation and round once: each equals
+    the fp32 product of the same bf16 numbers rounded to bf16, up to one bf16 step."""
+    weight = torch.randn(96, 40).bfloat16()
+    x = torch.randn(rows, 40).bfloat16()
+    linear = Linear(weight, "widened")
+    assert linear.wide is not None and linear.wide.dtype == torch.float32
+    assert torch.equal(linear.wide.bfloat16(), weight)  # the copy holds the same values
+    out = linear(x)
+    assert out.dtype == torch.bfloat16
+    want = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(out.float(), want, atol=0, rtol=2 ** -7)
+    if rows > GEMV_ROWS:  # fp32 SGEMM on the copy: exactly the rounded fp32 product
+        assert torch.equal(out, want.bfloat16())
+    with pytest.raises(ValueError, match="bf16 weight"):
+        Linear(weight.float(), "widened")

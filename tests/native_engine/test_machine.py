@@ -52,4 +52,5 @@ def test_runner_reports_its_choice_for_this_machine() -> None:
     assert set(choice.flags) <= cpu_flags()
     line = choice.describe()
     assert f"dtype={choice.dtype}" in line and f"linear={choice.linear}" in line
+    assert f"decode_attention_dtype={choice.decode_attention_dtype}" in line
     assert choice.labels()["cpu_flags"] == ",".join(choice.flags)

@@ -119,3 +119,14 @@ def test_plan_skips_unstored_slots() -> None:
     flat = cache.view(-1, 1, 8)
     skipped = int(new_token_slots(batch)[1])
     assert torch.equal(flat[slots[[0, 2]]], k[[0, 2]]) and not flat[skipped].any()
+
+
+def test_decodes_attend_in_fp32_where_bf16_sdpa_is_slow() -> None:
+    """Half-precision decodes attend in fp32 on a CPU without bf16 matrix units, in the
+    model's dtype elsewhere; fp32 stays fp32 (the mixed-batch tests above check the values)."""
+    cpu = torch.device("cpu")
+    assert torch_fast.decode_dtype(torch.float32, cpu) == torch.float32
+    bf16_units = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    want = torch.bfloat16 if bf16_units else torch.float32
+    assert torch_fast.decode_dtype(torch.bfloat16, cpu) == want
+    assert torch_fast.decode_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
