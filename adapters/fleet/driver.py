@@ -187,12 +187,13 @@ class FleetDriver:
         self.tokenize_seconds.append(time.perf_counter() - started)
         candidates, predicted = [], {}
         chains: dict[tuple[str | None, int], list[bytes]] = {}
+        digests: dict[bytes, str | None] = {}  # this decision's namespace per index keying
         for index, member in enumerate(self.members):
             if not member.upstream.up:
                 continue
             block_size = member.upstream.driver.capabilities.block_size or 1
             overlap, synced = self._overlap(member, request.cache_salt, tokens, block_size,
-                                            chains)
+                                            chains, digests)
             candidates.append(Candidate(index, block_size, overlap, synced, member.in_flight,
                                         member.engine_load))
             if tokens is not None:
@@ -208,12 +209,15 @@ class FleetDriver:
 
     @staticmethod
     def _overlap(member: Member, salt: str | None, tokens: list[int] | None, block_size: int,
-                 chains: dict[tuple[str | None, int], list[bytes]]) -> tuple[int, bool]:
+                 chains: dict[tuple[str | None, int], list[bytes]],
+                 digests: dict[bytes, str | None]) -> tuple[int, bool]:
         kv = member.upstream.driver.kv
         if kv is None or not tokens:
             return 0, False
         index = kv.index(member.rank)
-        namespace = index.namespace_id(salt)
+        if index.keying not in digests:
+            digests[index.keying] = index.namespace_id(salt)
+        namespace = digests[index.keying]
         chain = chains.get((namespace, block_size))
         if chain is None:
             chain = chains[(namespace, block_size)] = prompt_chain(namespace, tokens, block_size)

@@ -18,8 +18,13 @@ offsets touch), never re-derived here. The property test compares with a full en
 Checkpoints every `stride` characters map a chained hash of a text's prefix (each key
 hashes the previous one with the next `stride` characters, so keying a text is linear in
 its length, never quadratic) to the most recent text holding it; a lookup binary-searches
-the longest verified prefix (prefixes shared at L are shared at every shorter L). Texts
-are kept in LRU order, at most `capacity`.
+the longest verified prefix (prefixes shared at L are shared at every shorter L), then
+the characters that text shares past it, so only the new part (and `margin` characters
+before it) is tokenised. Texts are kept in LRU order, at most `capacity` of them and
+`max_tokens` token ids in all (a longer text is tokenised and not kept): the budget, not
+the count, bounds the memory a client's long prompts can take. A text's last tokenised
+stretch keeps its encoding, and its cuts are read from it only when another text reuses
+that stretch (most texts are a shared prefix plus a suffix no one sends again).
 
 Texts are shared only within a `namespace` (the router passes the tenant): a cache shared
 across tenants would let one time whether another sent a prompt (a hit is faster), the
@@ -51,6 +56,9 @@ class _Text:
     cuts: list[int] = field(default_factory=lambda: [0])
     counts: list[int] = field(default_factory=lambda: [0])
     keys: list[int] = field(default_factory=list)
+    # (character, token) where `pending` starts: an encoding whose cuts are not read yet
+    pending_at: tuple[int, int] = (0, 0)
+    pending: Encoding | None = None
 
 
 @dataclass(slots=True)
@@ -74,14 +82,29 @@ def _pre_tokenizer_ok(pre: dict[str, Any] | None) -> bool:
     return False
 
 
+def _shared_length(a: str, b: str, known: int) -> int:
+    """Length of the common prefix of `a` and `b`, known to be at least `known`: a binary
+    search of slice comparisons (C memcmp), so a checkpoint's stride is not re-tokenised."""
+    low, high = known, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 class TokenPrefixCache:
     """`encode(text, namespace)` equal to `tokenizer.encode(text, add_special_tokens=False)
     .ids`; only texts of the same namespace are reused."""
 
-    def __init__(self, tokenizer: Tokenizer, capacity: int = 1024, stride: int = 32) -> None:
-        if capacity < 1 or stride < 1:
-            raise ValueError("capacity and stride must be >= 1")
+    def __init__(self, tokenizer: Tokenizer, capacity: int = 1024, stride: int = 128,
+                 max_tokens: int = 1 << 20) -> None:
+        if capacity < 1 or stride < 1 or max_tokens < 1:
+            raise ValueError("capacity, stride and max_tokens must be >= 1")
         self.tokenizer, self.capacity, self.stride = tokenizer, capacity, stride
+        self.max_tokens, self.held_tokens = max_tokens, 0
         added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
         self.longest_added = max(map(len, added), default=0)
         self._added_starts = frozenset(t[0] for t in added if t)
@@ -112,7 +135,9 @@ class TokenPrefixCache:
             if base.text == text:
                 self.stats.reused_tokens += len(base.ids)
                 return list(base.ids)
-            i = max(bisect.bisect_right(base.cuts, length - self.margin(text, length)) - 1, 0)
+            shared = _shared_length(text, base.text, length)
+            self._read_cuts(base)
+            i = max(bisect.bisect_right(base.cuts, shared - self.margin(text, shared)) - 1, 0)
             cut, count = base.cuts[i], base.counts[i]
             entry = _Text(namespace, text, base.ids[:count], base.cuts[:i + 1],
                           base.counts[:i + 1])
@@ -159,21 +184,34 @@ class TokenPrefixCache:
         encoding: Encoding = self.tokenizer.encode(tail, add_special_tokens=False)
         self.stats.encoded_chars += len(tail)
         entry.ids.extend(encoding.ids)
+        entry.pending_at, entry.pending = (cut, count), encoding
+
+    @staticmethod
+    def _read_cuts(entry: _Text) -> None:
+        """Append the cuts of `entry`'s pending encoding (once, on its first reuse)."""
+        if entry.pending is None:
+            return
+        (cut, count), encoding = entry.pending_at, entry.pending
         words, offsets = encoding.word_ids, encoding.offsets
         for i in range(1, len(offsets)):
             if words[i] != words[i - 1] and offsets[i - 1][1] == offsets[i][0]:
                 entry.cuts.append(cut + offsets[i][0])
                 entry.counts.append(count + i)
+        entry.pending = None
 
     def _remember(self, entry: _Text, keys: list[int]) -> None:
         """Checkpoints past the prefix already held by another text (that one stays the
         holder; it was just touched)."""
+        if len(entry.ids) > self.max_tokens:
+            return
         for key in keys:
             self._checkpoints[key] = entry
             entry.keys.append(key)
         self._texts[id(entry)] = entry
-        while len(self._texts) > self.capacity:
+        self.held_tokens += len(entry.ids)
+        while len(self._texts) > self.capacity or self.held_tokens > self.max_tokens:
             _, old = self._texts.popitem(last=False)
+            self.held_tokens -= len(old.ids)
             for key in old.keys:
                 if self._checkpoints.get(key) is old:
                     del self._checkpoints[key]
@@ -182,8 +220,11 @@ class TokenPrefixCache:
         return len(self._texts)
 
     def check_integrity(self) -> None:
-        """Every checkpoint's holder is a kept text; cuts ascend with their counts."""
+        """Every checkpoint's holder is a kept text; cuts ascend with their counts and
+        end before a pending encoding; the token budget holds."""
         assert len(self._texts) <= self.capacity
+        assert self.held_tokens == sum(len(e.ids) for e in self._texts.values())
+        assert self.held_tokens <= self.max_tokens
         kept = set(self._texts)
         for holder in self._checkpoints.values():
             assert id(holder) in kept, "a checkpoint names an evicted text"
@@ -191,3 +232,6 @@ class TokenPrefixCache:
             assert entry.cuts[0] == 0 and entry.counts[0] == 0
             assert entry.cuts == sorted(entry.cuts) and entry.counts == sorted(entry.counts)
             assert entry.counts[-1] <= len(entry.ids)
+            if entry.pending is not None:
+                assert entry.cuts[-1] <= entry.pending_at[0]
+                assert entry.pending_at[1] + len(entry.pending.ids) == len(entry.ids)

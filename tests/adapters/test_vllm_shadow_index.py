@@ -7,9 +7,17 @@ import dataclasses
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from adapters.vllm.kv_decode import decode_message, decode_payload
-from adapters.vllm.shadow_index import ShadowIndex, salt_from_root_keys
+from adapters.vllm.shadow_index import (
+    ShadowIndex,
+    chain_key,
+    namespace_root,
+    prompt_chain,
+    salt_from_root_keys,
+)
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.adapters.vllm_vectors import RUNS, fold, kv_recording, plain_decode
 
@@ -169,3 +177,15 @@ def test_chain_keys_match_prompt_prefixes_only_in_their_namespace() -> None:
     unknown_parent = ShadowIndex()
     unknown_parent.apply(BlockStored((9,), 404, tuple(tokens[:32]), 32, extra_keys=(None,)))
     assert unknown_parent.prefix_blocks("tenant-a", tokens, 32) == 0
+
+
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200), block_size=st.integers(1, 64),
+       namespace=st.none() | st.text(max_size=8))
+def test_a_prompt_chain_is_each_block_keyed_after_its_parent(
+        tokens: list[int], block_size: int, namespace: str | None) -> None:
+    """The router's packed chain equals the keys the index gives stored blocks."""
+    expected, key = [], namespace_root(namespace)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        key = chain_key(key, tokens[start:start + block_size])
+        expected.append(key)
+    assert prompt_chain(namespace, tokens, block_size) == expected

@@ -63,10 +63,24 @@ def test_a_shared_system_prompt_is_tokenised_once(tokenizer: Tokenizer) -> None:
         text = system + " " + letters(24)
         assert cache.encode(text) == full(tokenizer, text)
     assert cache.stats.misses == 1 and cache.stats.hits == 19
-    # each hit encoded at most the suffix plus a stride and the safety margin
-    most = 48 + cache.stride + cache.longest_added + 1
+    # each hit encoded at most the suffix (and the space before it) and the safety margin:
+    # the characters shared past the last checkpoint are not tokenised again
+    most = 48 + cache.longest_added + 1
     assert cache.stats.encoded_chars < len(system) + 19 * most
     cache.check_integrity()
+
+
+def test_a_shared_prefix_stays_a_hit_past_capacity(tokenizer: Tokenizer) -> None:
+    """A hit touches the text holding the shared prefix's checkpoints, so newer texts
+    that share it do not push it out."""
+    rng = random.Random(3)
+    system = " ".join(rng.choice("abcdefghij") for _ in range(64))
+    cache = TokenPrefixCache(tokenizer, capacity=3, stride=8)
+    for i in range(12):
+        text = f"{system} question {i}"
+        assert cache.encode(text) == full(tokenizer, text)
+        cache.check_integrity()
+    assert (cache.stats.misses, cache.stats.hits) == (1, 11)
 
 
 def test_capacity_evicts_the_least_recently_used(tokenizer: Tokenizer) -> None:
@@ -102,11 +116,24 @@ def test_texts_are_reused_only_within_their_namespace(tokenizer: Tokenizer) -> N
 
 
 def test_keying_a_long_text_is_linear(tokenizer: Tokenizer) -> None:
-    """A hostile 512 KiB prompt: keying its 16,384 checkpoints hashes each character once
+    """A hostile 512 KiB prompt: keying its 16,320 checkpoints hashes each character once
     (prefix-by-prefix hashing would read ~4·10⁹ characters)."""
-    cache = TokenPrefixCache(tokenizer)
+    cache = TokenPrefixCache(tokenizer, stride=32)
     text = "ab " * (170 << 10)
     keys = cache._keys(text, "mallory")
     assert len(keys) == len(text) // cache.stride and len(set(keys)) == len(keys)
     assert cache._keys(text[:96] + "x", "mallory")[:3] == keys[:3]
     assert cache._keys(text[:96], "alice") != keys[:3]
+
+
+def test_the_token_budget_bounds_what_long_prompts_keep(tokenizer: Tokenizer) -> None:
+    cache = TokenPrefixCache(tokenizer, capacity=100, stride=8, max_tokens=200)
+    for i in range(6):
+        text = f"prompt {i}: " + "lorem ipsum " * 20  # ~45 tokens each
+        assert cache.encode(text) == full(tokenizer, text)
+        cache.check_integrity()
+    assert cache.held_tokens <= 200 and len(cache) < 6  # the oldest went for the budget
+    huge = "x " * 500  # longer than the whole budget: tokenised, not kept
+    assert cache.encode(huge) == full(tokenizer, huge)
+    assert huge not in {e.text for e in cache._texts.values()}
+    cache.check_integrity()
