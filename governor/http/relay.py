@@ -110,10 +110,14 @@ class SSEStream:
         return self.response
 
     async def close(self) -> web.StreamResponse:
-        if self.response is None:
-            await self.send(b"")
+        """End the stream. A client may leave once it has `[DONE]`, before the end of the
+        body reaches it: everything was sent, so that is a finished request."""
+        with contextlib.suppress(ConnectionError):
+            if self.response is None:
+                await self.send(b"")  # sets self.response before it writes
+            assert self.response is not None
+            await self.response.write_eof()
         assert self.response is not None
-        await self.response.write_eof()
         return self.response
 
 

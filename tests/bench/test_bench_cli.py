@@ -115,3 +115,18 @@ def test_overhead_refuses_a_config_that_governs_another_engine(tmp_path: Path,
     assert main(["bench", "overhead", "--engine", "http://127.0.0.1:8", "--config",
                  str(config)]) == 2
     assert "must govern --engine" in capsys.readouterr().err
+
+
+def test_overhead_refuses_a_tenant_the_governor_would_shed(tmp_path: Path, capsys,  # type: ignore[no-untyped-def]
+                                                          monkeypatch) -> None:
+    """At concurrency 64 a tenant capped at 16 is answered 429 through the governor: that
+    is admission, not overhead, so the run is refused before it starts."""
+    config = tmp_path / "fak.toml"
+    config.write_text(f'[server]\ndata_dir = "{tmp_path / "data"}"\n'
+                      '[engine]\nkind = "vllm"\nbase_url = "http://127.0.0.1:9"\n'
+                      f'[[tenants]]\nid = "bench"\napi_key_sha256 = ["{sha256_hex("k-1")}"]\n')
+    monkeypatch.setenv("FAK_BENCH_API_KEY", "k-1")
+    assert main(["bench", "overhead", "--engine", "http://127.0.0.1:9", "--config",
+                 str(config), "--concurrency", "1,64", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tenant bench" in err and "max_concurrency 16 < --concurrency 64" in err
