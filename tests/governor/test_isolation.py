@@ -124,8 +124,12 @@ def test_sec5_audit_finds_no_cross_tenant_signal_through_the_governor(
     assert control["p_value"] < 1e-6, report["phases"]
     assert cross["p_value"] >= 0.01, report["phases"]
     assert (rc, report["verdict"]) == (0, "NO CROSS-TENANT SIGNAL")
-    # The governor's salts: B's probes never reuse A's tokens, A's own probes do.
-    assert report["cached_tokens_median"]["cross"]["hit"] == 0
+    # The governor's salts: B's probes never reuse A's tokens (a leak reuses the ~120 they
+    # share), A's own probes do. B's probes may reuse a letter or two of B's own earlier
+    # random prompts (token-granular reuse in B's namespace: 8 of 16 did in one run).
+    cross_hits = [s["cached_tokens"] for s in report["samples"]
+                  if (s["phase"], s["kind"]) == ("cross", "hit")]
+    assert max(cross_hits) < HIT_CACHED // 4, cross_hits
     assert report["cached_tokens_median"]["control"]["hit"] >= HIT_CACHED
     assert len(report["samples"]) == 4 * AUDIT_SAMPLES
     assert KEY_A not in json.dumps(report) and KEY_B not in json.dumps(report)
