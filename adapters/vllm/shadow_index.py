@@ -105,7 +105,12 @@ def salt_from_root_keys(keys: Any, lora_name: str | None) -> Attribution:
 
 def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a block holding `tokens` after the block (or namespace root) `parent`."""
-    return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()
+    return _block_key(parent, array("I", tokens).tobytes())
+
+
+def _block_key(parent: bytes, packed: bytes) -> bytes:
+    """`chain_key` of a block whose token ids are already packed as uint32."""
+    return hashlib.blake2b(parent + packed, digest_size=16).digest()
 
 
 def namespace_root(namespace: str | None) -> bytes:
@@ -117,9 +122,9 @@ def prompt_chain(namespace: str | None, tokens: Sequence[int], block_size: int) 
     """Chain keys of a prompt's full blocks, in order (`chain_key` of each block, on one
     packing of the whole prompt: the routing decision's hot path)."""
     data, step = array("I", tokens).tobytes(), 4 * block_size
-    keys, key, blake2b = [], namespace_root(namespace), hashlib.blake2b
+    keys, key = [], namespace_root(namespace)
     for start in range(0, len(data) - step + 1, step):
-        key = blake2b(key + data[start:start + step], digest_size=16).digest()
+        key = _block_key(key, data[start:start + step])
         keys.append(key)
     return keys
 

@@ -56,9 +56,8 @@ class _Text:
     cuts: list[int] = field(default_factory=lambda: [0])
     counts: list[int] = field(default_factory=lambda: [0])
     keys: list[int] = field(default_factory=list)
-    # (character, token) where `pending` starts: an encoding whose cuts are not read yet
-    pending_at: tuple[int, int] = (0, 0)
-    pending: Encoding | None = None
+    # (character, token, encoding) of the last tokenised stretch, its cuts not read yet
+    pending: tuple[int, int, Encoding] | None = None
 
 
 @dataclass(slots=True)
@@ -184,14 +183,14 @@ class TokenPrefixCache:
         encoding: Encoding = self.tokenizer.encode(tail, add_special_tokens=False)
         self.stats.encoded_chars += len(tail)
         entry.ids.extend(encoding.ids)
-        entry.pending_at, entry.pending = (cut, count), encoding
+        entry.pending = (cut, count, encoding)
 
     @staticmethod
     def _read_cuts(entry: _Text) -> None:
         """Append the cuts of `entry`'s pending encoding (once, on its first reuse)."""
         if entry.pending is None:
             return
-        (cut, count), encoding = entry.pending_at, entry.pending
+        cut, count, encoding = entry.pending
         words, offsets = encoding.word_ids, encoding.offsets
         for i in range(1, len(offsets)):
             if words[i] != words[i - 1] and offsets[i - 1][1] == offsets[i][0]:
@@ -233,5 +232,5 @@ class TokenPrefixCache:
             assert entry.cuts == sorted(entry.cuts) and entry.counts == sorted(entry.counts)
             assert entry.counts[-1] <= len(entry.ids)
             if entry.pending is not None:
-                assert entry.cuts[-1] <= entry.pending_at[0]
-                assert entry.pending_at[1] + len(entry.pending.ids) == len(entry.ids)
+                cut, count, encoding = entry.pending
+                assert entry.cuts[-1] <= cut and count + len(encoding.ids) == len(entry.ids)
