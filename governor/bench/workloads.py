@@ -1,9 +1,12 @@
 """The workloads `fak bench ab` sends, generated offline from a tokenizer and seeds.
 
 - `random`: vLLM's random dataset (vllm/benchmarks/datasets): lengths uniform in
-  input_len·[1 − r, 1 + r]; tokens `allowed[(offset + i + arange(len)) % |allowed|]` with a
-  random offset, special tokens excluded; decoded, re-encoded and topped up or cut until the
-  text is exactly that many tokens (vLLM's `gen_prompt_decode_to_target_len`).
+  input_len·[1 − r, 1 + r], special tokens excluded; decoded, re-encoded and topped up or
+  cut until the text is exactly that many tokens (vLLM's `gen_prompt_decode_to_target_len`).
+  Unlike vLLM, each token is drawn on its own: vLLM's `allowed[(offset + i + arange(len))]`
+  gives two prompts the same first block whenever their offsets meet, one chance in
+  |allowed| per pair, so a re-run of a few hundred prompts against the same server found
+  some of the last run's in its cache.
 - `prefix-repetition`: vLLM's prefix_repetition: `num_prefixes` random prefixes of
   prefix_len tokens, each followed by several random suffixes of input_len, shuffled.
 - `multi-turn`: returning conversations. Turn k's prompt is turn k−1's prompt, the
@@ -144,11 +147,9 @@ class WorkloadGenerator:
         return [lengths.randint(low, high) for _ in range(n)]
 
     def _random(self, n: int, content: random.Random, lengths: random.Random) -> PlannedBlock:
-        allowed = self.tok.allowed
         sessions = []
-        for i, length in enumerate(self._input_lengths(n, lengths)):
-            offset = content.randrange(len(allowed))
-            ids = [allowed[(offset + i + j) % len(allowed)] for j in range(length)]
+        for length in self._input_lengths(n, lengths):
+            ids = random_ids(self.tok, length, content)
             text, final = exact_length(self.tok, ids, length, content)
             sessions.append((PlannedRequest(text, final, self.config.output_len),))
         return PlannedBlock(tuple(sessions))
