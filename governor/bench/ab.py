@@ -28,7 +28,7 @@ from typing import Any
 from governor.bench import analysis, artifact, plots, report, vllm_results
 from governor.bench.client import open_session
 from governor.bench.config import ABConfig, ArmSpec, Level, WorkloadConfig, jsonable
-from governor.bench.governor_proc import running_governor
+from governor.bench.governor_proc import check_tenant_caps, running_governor
 from governor.bench.probe import ArmIdentity, LogWatch, compile_facts, identify
 from governor.bench.runner import ArmHandle, LevelRun, run_level
 from governor.bench.workloads import WorkloadGenerator, load_tokenizer
@@ -55,11 +55,15 @@ def api_keys(env: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def arms_with_governor(config: ABConfig) -> Iterator[tuple[list[ArmSpec], Any]]:
+def arms_with_governor(config: ABConfig, keys: Sequence[str]
+                       ) -> Iterator[tuple[list[ArmSpec], Any]]:
     """The configured arms, plus the governor arm when --through-governor asks for one."""
     if config.through_governor is None:
         yield list(config.arms), None
         return
+    bursts = [lv.concurrency for lv in config.levels() if lv.concurrency is not None]
+    if bursts:
+        check_tenant_caps(config.through_governor, keys, max(bursts), queueing_counts=False)
     with running_governor(config.through_governor, config.out / "governor") as gov:
         yield [*config.arms, ArmSpec(config.governor_arm, gov.url, gov.log_path,
                                      config.governor_compile_cache)], gov
@@ -170,7 +174,7 @@ async def run_ab(config: ABConfig) -> Outcome:
     run_id = config.run_id or secrets.token_hex(8)
     host = artifact.host_facts()
     tok = await asyncio.to_thread(load_tokenizer, config.tokenizer)
-    with arms_with_governor(config) as (specs, gov):
+    with arms_with_governor(config, keys) as (specs, gov):
         handles = await open_arms(specs, config, keys, gov, tok.front_tokens)
         try:
             measured = await measure(config, ab_phases(config), handles, keys, run_id, host,

@@ -173,7 +173,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         outcome = asyncio.run(run_ab(config))
-    except GovernorStartError as exc:
+    except (BenchConfigError, GovernorStartError) as exc:
         print(f"fak bench: {exc}", file=sys.stderr)
         return 2
     for line in outcome.verdicts:

@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from governor.auth import sha256_hex
+from governor.bench.config import BenchConfigError
 from governor.config import GovernorConfig, load_config
 
 STARTUP_TIMEOUT_S = 120.0
@@ -51,6 +53,27 @@ def _tail(path: Path, chars: int = 3000) -> str:
     with contextlib.suppress(OSError):
         return path.read_text(errors="replace")[-chars:]
     return ""
+
+
+def check_tenant_caps(config_path: Path, keys: Sequence[str], level: int, *,
+                      queueing_counts: bool) -> None:
+    """Refuse, before the run, a level the governor would answer partly with 429: a burst of
+    `level` requests past the tenant's `max_concurrency` plus its queue is shed (unequal work,
+    otherwise refused only after the whole run). With `queueing_counts` (the overhead run,
+    where waiting in admission is not overhead) `max_concurrency` alone is the bound."""
+    digests = {sha256_hex(k) for k in keys}
+    for tenant in load_config(config_path).tenants:
+        if not digests & set(tenant.api_key_sha256):
+            continue
+        bound = tenant.max_concurrency + (0 if queueing_counts else tenant.queue_limit)
+        if bound < level:
+            what = (f"max_concurrency {tenant.max_concurrency}" if queueing_counts else
+                    f"max_concurrency {tenant.max_concurrency} + max_queued "
+                    f"{tenant.queue_limit} = {bound}")
+            raise BenchConfigError(
+                f"tenant {tenant.id} of {config_path}: {what} < --concurrency {level}; the "
+                f"governor would shed what the engine serves direct (raise it, and "
+                f"max_queued, for the run)")
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ import random
 import secrets
 from collections.abc import Sequence
 
-from governor.auth import sha256_hex
 from governor.bench import artifact
 from governor.bench.ab import (
     Measured,
@@ -37,11 +36,10 @@ from governor.bench.ab import (
     open_arms,
 )
 from governor.bench.config import ABConfig, ArmSpec, BenchConfigError, Level, WorkloadConfig
-from governor.bench.governor_proc import running_governor
+from governor.bench.governor_proc import check_tenant_caps, running_governor
 from governor.bench.overhead_config import DIRECT, GOVERNOR, OverheadConfig
 from governor.bench.runner import BlockRun
 from governor.bench.workloads import load_tokenizer
-from governor.config import load_config
 from policies.ab_stats import RatioInterval, paired_bootstrap_difference, percentile
 
 
@@ -113,27 +111,13 @@ def overhead_lines(m: Measured, cpu_ms_per_request: float | None, rng: random.Ra
     return lines
 
 
-def check_tenant_caps(config: OverheadConfig, keys: Sequence[str]) -> None:
-    """Refuse a run whose tenant would be shed at the highest level: the governor answers
-    429 past its tenant's `max_concurrency` (admission working, not overhead), and the
-    comparison would be refused for unequal work after the whole run."""
-    digests = {sha256_hex(k) for k in keys}
-    level = max(config.concurrency)
-    for tenant in load_config(config.config).tenants:
-        if digests & set(tenant.api_key_sha256) and tenant.max_concurrency < level:
-            raise BenchConfigError(
-                f"tenant {tenant.id} of {config.config}: max_concurrency "
-                f"{tenant.max_concurrency} < --concurrency {level}; the governor would shed "
-                f"what the engine serves direct (raise it, and max_queued, for the run)")
-
-
 async def run_overhead(config: OverheadConfig) -> Outcome:
     ab = overhead_ab_config(config)
     keys = api_keys(ab.api_key_env)
     if not keys:
         raise BenchConfigError(f"set {ab.api_key_env} to an API key of a tenant in "
                                f"{config.config}: the governor arm needs one")
-    check_tenant_caps(config, keys)
+    check_tenant_caps(config.config, keys, max(config.concurrency), queueing_counts=True)
     tok = await asyncio.to_thread(load_tokenizer, config.tokenizer)
     host = artifact.host_facts()
     phases = overhead_phases(config)

@@ -130,3 +130,21 @@ def test_overhead_refuses_a_tenant_the_governor_would_shed(tmp_path: Path, capsy
                  str(config), "--concurrency", "1,64", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "tenant bench" in err and "max_concurrency 16 < --concurrency 64" in err
+
+
+def test_ab_through_the_governor_refuses_a_tenant_it_would_shed(tmp_path: Path, capsys,  # type: ignore[no-untyped-def]
+                                                                monkeypatch) -> None:
+    """Queueing is the governor's own behaviour in an A/B, so the bound is max_concurrency
+    plus the tenant's queue: 16 + 16 holds c32 and sheds c64, refused before the run."""
+    config = tmp_path / "fak.toml"
+    config.write_text(f'[server]\ndata_dir = "{tmp_path / "data"}"\n'
+                      '[engine]\nkind = "vllm"\nbase_url = "http://127.0.0.1:9"\n'
+                      f'[[tenants]]\nid = "bench"\napi_key_sha256 = ["{sha256_hex("k-1")}"]\n')
+    monkeypatch.setenv("FAK_BENCH_API_KEY", "k-1")
+    argv = ["bench", "ab", "--arm", "direct=http://127.0.0.1:9", "--through-governor",
+            str(config), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main([*argv, "--concurrency", "1,64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tenant bench" in err
+    assert "max_concurrency 16 + max_queued 16 = 32 < --concurrency 64" in err
+    assert not (tmp_path / "out" / "governor").exists(), "no governor started for the run"
