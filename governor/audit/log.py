@@ -381,6 +381,8 @@ class AuditLog:
                     ops.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            for op in ops:
+                op.done = claim(op.done)
             appends = [op for op in ops if isinstance(op, _Append)]
             try:
                 if appends:
@@ -393,7 +395,7 @@ class AuditLog:
                         op.done.set_exception(AuditLogError(self._broken))
             for call in ops:
                 if isinstance(call, _Call):
-                    _resolve(call.done, call.action)
+                    resolve_call(call.done, call.action)
 
     def _commit(self, appends: list[_Append]) -> None:
         if self._broken is not None or self._closed:
@@ -540,7 +542,16 @@ class AuditLog:
             os.close(fd)
 
 
-def _resolve(done: Future[T], action: Callable[[], T]) -> None:
+def claim(done: Future[T]) -> Future[T]:
+    """The future a writer answers a dequeued op on: the op's own, now running so it can no
+    longer be cancelled, or, where its caller already gave up (a `maintain_async` cancelled
+    at shutdown), a fresh one no one reads. The op's work is done either way; answering a
+    cancelled future would raise and end the writer thread, after which nothing queued would
+    ever be committed and `close` would skip the final checkpoint."""
+    return done if done.set_running_or_notify_cancel() else Future()
+
+
+def resolve_call(done: Future[T], action: Callable[[], T]) -> None:
     try:
         done.set_result(action())
     except BaseException as exc:

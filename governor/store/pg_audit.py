@@ -46,7 +46,7 @@ from governor.audit.entry import (
     raw_public_key,
     sign_checkpoint,
 )
-from governor.audit.log import AuditLogConfig
+from governor.audit.log import AuditLogConfig, claim, resolve_call
 from governor.audit.verify import AuditLogCorrupt
 from governor.store.connect import TRANSIENT, Backoff, connect, first_line
 from governor.store.pg_log import Head, lock_head, store_head, verify_connection
@@ -268,6 +268,8 @@ class PgAuditLog:
                     ops.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            for op in ops:
+                op.done = claim(op.done)
             writes = [op for op in ops if op.kind != "call"]
             if writes:
                 self._commit_retrying(writes)
@@ -424,7 +426,7 @@ class PgAuditLog:
     def _run_call(self, op: _Op) -> None:
         assert op.action is not None
         if op.action == self._shutdown:
-            _resolve(op.done, lambda: self._shutdown(self._conn))
+            resolve_call(op.done, lambda: self._shutdown(self._conn))
             return
         backoff = Backoff()
         while True:
@@ -450,13 +452,6 @@ class PgAuditLog:
             self._closed = True
             if conn is not None:
                 conn.close()
-
-
-def _resolve(done: Future[T], action: Callable[[], T]) -> None:
-    try:
-        done.set_result(action())
-    except BaseException as exc:
-        done.set_exception(exc)
 
 
 def _record_of(line: bytes) -> AuditRecord:

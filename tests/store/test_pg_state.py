@@ -99,6 +99,25 @@ async def test_two_replicas_append_one_gap_free_log(replicas: list[SharedState],
     assert cmd_audit_verify(pg_dsn) == 0
 
 
+async def test_a_cancelled_maintain_leaves_the_writer_alive(replicas: list[SharedState],
+                                                            pg_dsn: str) -> None:
+    """The checkpoint loop cancelled at shutdown while its `maintain_async` waits behind
+    queued appends: the writer answers no cancelled call (doing so ended its thread, and
+    every later append then waited forever)."""
+    audit = replicas[0].audit
+    queued = [audit.submit(event(n)) for n in range(600)]  # the writer is busy with these
+    maintain = asyncio.create_task(audit.maintain_async())
+    await asyncio.sleep(0)  # submitted, behind the appends
+    maintain.cancel()
+    while not all(f.done() for f in queued):  # the call is answered after these
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    last = await asyncio.wait_for(audit.append_async(event(600)), 30)
+    assert sorted(f.result(0).index for f in queued) == list(range(600)) and last.index == 600
+    report = verify_database(pg_dsn)
+    assert report.ok and report.records == 601, report.summary()
+
+
 async def test_rotation_is_compare_and_set_and_confirmed_by_every_live_replica(
         replicas: list[SharedState], pg_dsn: str) -> None:
     a, b = replicas
