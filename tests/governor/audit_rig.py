@@ -3,11 +3,13 @@ the audit log need no engine), and a tiny filesystem that can really fill up."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import resource
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ from governor.auth import sha256_hex
 from governor.config import parse_config
 from governor.serve import build_governor
 from governor.state import Governor
+from governor.store.protocols import AuditSink
+from schemas.audit import AuditEvent, AuditRecord
 
 ADMIN = "admin-token"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -84,3 +88,19 @@ def tiny_disk(path: Path, size: str = "512k") -> Iterator[TinyDisk]:
         disk.free()
         if mounted:
             subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+async def cancel_a_maintain_behind(audit: AuditSink, events: Sequence[AuditEvent],
+                                   last: AuditEvent) -> tuple[list[Future[AuditRecord]],
+                                                              AuditRecord]:
+    """Queue `events`, then a `maintain_async` that is cancelled at once (the checkpoint loop
+    at shutdown); once the writer has answered past it, append `last` (waits at most 30 s:
+    a writer thread that died answering the cancelled call would never answer it)."""
+    queued = [audit.submit(e) for e in events]  # the writer is busy with these
+    maintain = asyncio.create_task(audit.maintain_async())
+    await asyncio.sleep(0)  # submitted, behind the appends
+    maintain.cancel()
+    while not all(f.done() for f in queued):  # the call is answered after these
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    return queued, await asyncio.wait_for(audit.append_async(last), 30)

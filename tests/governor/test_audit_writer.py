@@ -25,7 +25,7 @@ from governor.audit.verify import verify
 from governor.serve import checkpoint_loop
 from schemas.audit import AuditEvent, AuditRecord, AuditState
 
-from .audit_rig import governor_on
+from .audit_rig import cancel_a_maintain_behind, governor_on
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,14 +105,8 @@ async def test_a_cancelled_maintain_leaves_the_writer_alive(tmp_path: Path) -> N
     queued appends: the writer must not die answering the cancelled call (it did: every
     later append waited forever and `close` skipped the final checkpoint)."""
     log = AuditLog.open(AuditLogConfig(tmp_path, checkpoint_every_records=10**6))
-    queued = [log.submit(event(i)) for i in range(3000)]  # the writer is busy with these
-    maintain = asyncio.create_task(log.maintain_async())
-    await asyncio.sleep(0)  # submitted, behind the appends
-    maintain.cancel()
-    while not all(f.done() for f in queued):  # the call is answered after these
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    last = await asyncio.wait_for(log.append_async(event(3000)), 30)
+    queued, last = await cancel_a_maintain_behind(log, [event(i) for i in range(3000)],
+                                                  event(3000))
     assert all(f.result(0).index == i for i, f in enumerate(queued)) and last.index == 3000
     log.close()
     assert log.latest_checkpoint is not None and log.latest_checkpoint.tree_size == 3001

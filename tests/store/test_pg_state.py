@@ -25,6 +25,7 @@ from governor.store.pg_epochs import EpochsStale
 from governor.store.pg_log import verify_database
 from policies.salts import SaltKey
 from schemas.audit import AuditEvent, AuditRecord, AuditState, Evidence
+from tests.governor.audit_rig import cancel_a_maintain_behind
 
 from .pg_server import PostgresServer, remove_postgres, start_postgres
 
@@ -105,14 +106,8 @@ async def test_a_cancelled_maintain_leaves_the_writer_alive(replicas: list[Share
     queued appends: the writer answers no cancelled call (doing so ended its thread, and
     every later append then waited forever)."""
     audit = replicas[0].audit
-    queued = [audit.submit(event(n)) for n in range(600)]  # the writer is busy with these
-    maintain = asyncio.create_task(audit.maintain_async())
-    await asyncio.sleep(0)  # submitted, behind the appends
-    maintain.cancel()
-    while not all(f.done() for f in queued):  # the call is answered after these
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    last = await asyncio.wait_for(audit.append_async(event(600)), 30)
+    queued, last = await cancel_a_maintain_behind(audit, [event(n) for n in range(600)],
+                                                  event(600))
     assert sorted(f.result(0).index for f in queued) == list(range(600)) and last.index == 600
     report = verify_database(pg_dsn)
     assert report.ok and report.records == 601, report.summary()
