@@ -23,7 +23,8 @@ import time
 
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
-from native_engine.model.machine import cpu_flags, reported_flags
+from native_engine.kernels.cpu_features import cpu_flags
+from native_engine.model.machine import reported_flags
 from native_engine.request import SamplingParams
 
 PROMPT_LEN = 120

@@ -35,11 +35,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from native_engine.kernels.cpu_features import FAST_BF16
 from native_engine.kernels.torch_ref import store_kv as store_kv
 
 __all__ = ["DECODE_UPCAST", "StepPlan", "attend", "paged_attention", "plan", "store_kv"]
 
-DECODE_UPCAST = not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+DECODE_UPCAST = not FAST_BF16
 
 
 def decode_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

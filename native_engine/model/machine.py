@@ -5,46 +5,25 @@ or AVX512-BF16; oneDNN then runs the linears), float32 elsewhere. Measured on th
 AVX2 EPYC (no AMX, no AVX512-BF16): the 30 layers' linears of SmolLM2 at 64 rows took
 2,140 ms in bf16 against 239 ms in fp32, and 26 against 44 ms at one row (1 thread), so an
 AVX2 machine gets float32. `--dtype bfloat16` there runs widened linears
-(`native_engine.kernels.linear`; batch-1 decode 16.2 against 10.5 tok/s in fp32) but stays
-opt-in: its greedy output is bf16's, and at a near-tie it follows the kernel, not the prompt —
-the README's question ("What is the capital of France?", fp32 margin 0.08 between "The" and
-"L" at logit 25.3, where bf16 logits are 0.125 apart) answered "The…" after a whole prefill
-(fp32 SGEMM) and "L'Étoile…" after a cached one (one row, bf16 GEMV). CUDA gets bf16 and the
-Triton kernels. The choice is printed (`describe`) and exported as an info gauge on
-`/metrics` (`labels`).
+(`native_engine.kernels.linear`; batch-1 decode about 1.5x fp32's, `bench/native_speed.py`)
+but stays opt-in: its greedy output is bf16's, and at a near-tie it follows the kernel, not
+the prompt — the README's question ("What is the capital of France?", fp32 margin 0.08
+between "The" and "L" at logit 25.3, where bf16 logits are 0.125 apart) answered "The…"
+after a whole prefill (fp32 SGEMM) and "L'Étoile…" after a cached one (one row, bf16
+GEMV). CUDA gets bf16 and the Triton kernels. The choice is printed (`describe`) and
+exported as an info gauge on `/metrics` (`labels`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-# Flags that decide the choice (as /proc/cpuinfo spells them).
-BF16_MATRIX_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
+from native_engine.kernels.cpu_features import BF16_MATRIX_FLAGS, FAST_BF16, has_fast_bf16
+
 REPORTED_FLAGS = (*BF16_MATRIX_FLAGS, "avx512f", "avx2", "fma", "f16c")
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first processor's flags; empty where /proc/cpuinfo is absent (not Linux)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
-
-
-def has_fast_bf16(flags: frozenset[str]) -> bool:
-    """bf16 matmuls in hardware: by the flags, or by torch's own probe when flags are absent."""
-    if flags:
-        return any(f in flags for f in BF16_MATRIX_FLAGS)
-    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def default_num_threads() -> int:
@@ -84,11 +63,12 @@ class ComputeChoice:
 
 
 def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
-    """bfloat16 on CUDA and on CPUs with bf16 matrix units, float32 otherwise."""
+    """bfloat16 on CUDA and on CPUs with bf16 matrix units (this one's: `FAST_BF16`, the fact
+    the decode attention follows too), float32 otherwise."""
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if has_fast_bf16(cpu_flags() if flags is None else flags) \
-        else torch.float32
+    fast = FAST_BF16 if flags is None else has_fast_bf16(flags)
+    return torch.bfloat16 if fast else torch.float32
 
 
 def reported_flags(flags: frozenset[str]) -> tuple[str, ...]:

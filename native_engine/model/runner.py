@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from native_engine.kernels import BACKENDS, select_backend
+from native_engine.kernels.cpu_features import cpu_flags
 from native_engine.model.llama import AttentionMetadata, LlamaModel
 from native_engine.model.loaded import DTYPES, LoadedModel, dtype_name, weights_digest
 from native_engine.model.machine import (
     ComputeChoice,
     auto_dtype,
-    cpu_flags,
     default_num_threads,
     reported_flags,
 )
@@ -123,8 +123,7 @@ class ModelRunner:
         num_threads = config.num_threads or default_num_threads()
         torch.set_num_threads(num_threads)
         flags = cpu_flags()
-        self.dtype = (auto_dtype(self.device, flags) if config.dtype == "auto"
-                      else DTYPES[config.dtype])
+        self.dtype = auto_dtype(self.device) if config.dtype == "auto" else DTYPES[config.dtype]
         loaded = loaded or load_model(config.model_path, self.dtype)
         self.model_config = loaded.config
         self.model_digest = loaded.digest or weights_digest(loaded.weights)

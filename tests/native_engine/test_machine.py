@@ -6,13 +6,9 @@ from pathlib import Path
 
 import torch
 
-from native_engine.model.machine import (
-    ComputeChoice,
-    auto_dtype,
-    cpu_flags,
-    has_fast_bf16,
-    reported_flags,
-)
+from native_engine.kernels import torch_fast
+from native_engine.kernels.cpu_features import FAST_BF16, cpu_flags, has_fast_bf16
+from native_engine.model.machine import ComputeChoice, auto_dtype, reported_flags
 from native_engine.model.runner import ModelRunner, RunnerConfig
 from tests.native_engine.tiny_model import random_model
 
@@ -38,6 +34,15 @@ def test_bf16_only_with_matrix_units() -> None:
     assert auto_dtype(torch.device("cuda"), AVX2) == torch.bfloat16
     assert reported_flags(SAPPHIRE) == ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f",
                                         "avx2", "fma", "f16c")
+
+
+def test_the_dtype_and_the_decode_attention_follow_one_fact() -> None:
+    """bf16 by default exactly where decodes attend in bf16: both read FAST_BF16."""
+    cpu = torch.device("cpu")
+    assert has_fast_bf16(cpu_flags()) == FAST_BF16
+    assert (auto_dtype(cpu) == torch.bfloat16) == FAST_BF16 == (not torch_fast.DECODE_UPCAST)
+    want = torch.bfloat16 if FAST_BF16 else torch.float32
+    assert torch_fast.decode_dtype(torch.bfloat16, cpu) == want
 
 
 def test_runner_reports_its_choice_for_this_machine() -> None:

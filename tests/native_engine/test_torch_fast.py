@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from native_engine.kernels import select_backend, torch_fast, torch_ref
+from native_engine.kernels.cpu_features import FAST_BF16
 from native_engine.kernels.paged_batch import make_paged_batch
 
 HEADS = st.sampled_from([(1, 1), (4, 2), (9, 3), (8, 1)])
@@ -126,7 +127,6 @@ def test_decodes_attend_in_fp32_where_bf16_sdpa_is_slow() -> None:
     model's dtype elsewhere; fp32 stays fp32 (the mixed-batch tests above check the values)."""
     cpu = torch.device("cpu")
     assert torch_fast.decode_dtype(torch.float32, cpu) == torch.float32
-    bf16_units = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    want = torch.bfloat16 if bf16_units else torch.float32
+    want = torch.bfloat16 if FAST_BF16 else torch.float32
     assert torch_fast.decode_dtype(torch.bfloat16, cpu) == want
     assert torch_fast.decode_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
