@@ -13,9 +13,11 @@ order that both arms follow, one request at a time, the arms interleaved (A, B, 
 for the next item). Per arm: the cached-token ratio (Σ cached_tokens / Σ prompt_tokens,
 from the responses' usage), TTFT p50 (send → first streamed chunk with a choice) and, for
 kv_aware, the routing decision's cost (the fleet's own timing of `route()`: tokenising the
-prompt, matching every rank's index, the cost formula) twice: in the run, where the core
-sits idle between requests, and back to back after it on the same fleet and caches
-(`--steady-decisions` fresh suffixes), the cost while the governor is busy.
+prompt, matching every rank's index, the cost formula) twice: in the run, where each
+decision follows the engines' work for the last request (which displaces the governor's
+working set), and back to back after it on the same fleet and caches (`--steady-decisions`
+fresh suffixes), the cost while the governor is busy. `--pin` puts the governors on the
+first CPU and the replicas on the others.
 
 The pool is the deciding parameter: round robin puts every pair's prefix on both replicas,
 kv_aware keeps each on one, so with pools smaller than the whole working set round robin
@@ -124,6 +126,8 @@ def start_replica(args: argparse.Namespace, logs: Path) -> Replica:
            "--num-gpu-blocks-override", str(args.num_blocks), "--max-model-len",
            str(args.max_model_len), "--enable-prompt-tokens-details",
            "--kv-events-config", json.dumps(events)]
+    if args.engine_cpus:
+        cmd = ["taskset", "-c", ",".join(map(str, args.engine_cpus)), *cmd]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
@@ -246,8 +250,8 @@ def steady_decisions(arm: Arm, systems: list[str], rng: random.Random,
     """`--steady-decisions` routing decisions back to back on the kv_aware fleet as the run
     left it (its shadow indexes, each tenant's token-prefix cache), each for a fresh suffix
     prepared by the governor's own path: the decision's cost while the governor is busy,
-    without an idle core between requests (the run's one-at-a-time requests leave the
-    governor idle while the engines work, and a core woken from idle runs slower here)."""
+    with no other work between decisions (in the run, the engines' work for each request
+    displaces the tokenizer's and the index's working set before the next decision)."""
     times = []
     for i in range(args.steady_decisions):
         tenant = arm.gov.config.tenant(TENANTS[i % len(TENANTS)])
@@ -323,12 +327,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=14)
     p.add_argument("--steady-decisions", type=int, default=2000,
                    help="routing decisions timed back to back after the run")
+    p.add_argument("--pin", action="store_true",
+                   help="the governors (this process) on the first CPU, the replicas on the "
+                        "others: the decision's cost when no engine shares the governor's core")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    args.engine_cpus = cpus[1:] if args.pin else None
+    if args.pin:
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs two CPUs or more")
+        os.sched_setaffinity(0, {cpus[0]})
     with (tempfile.TemporaryDirectory(prefix="fak-fleet-bench-") as tmp,
           replicas(args, Path(tmp)) as fleet):
         result = asyncio.run(run(args, fleet, Path(tmp)))
