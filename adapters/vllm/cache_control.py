@@ -34,7 +34,7 @@ from schemas.openai import Route
 
 from .dev_control import VLLMDevControl
 from .fak_control import FakCacheControlClient
-from .kv_subscriber import KVEventSubscriber, SyncState, Watermark
+from .kv_subscriber import KVEventSubscriber, Watermark
 
 
 class RiddenEngine(Protocol):
@@ -69,14 +69,14 @@ class VLLMCacheControl:
         return await self.driver.dev_control.reset_prefix_cache()
 
     async def kv_mark(self, settle_s: float) -> KVMark | None:
-        """Each rank's watermark, once the subscriber has caught up (bounded wait)."""
+        """Each rank's watermark, once the subscriber has caught up (bounded wait; a rank
+        whose stream lost batches for good is not waited for: its mark cannot be gap-free)."""
         kv = self.driver.kv
         if kv is None:
             return None
         ranks = self._ranks(kv)
         deadline = time.monotonic() + settle_s
-        while time.monotonic() < deadline and not all(
-                kv.state(r) is SyncState.SYNCED for r in ranks):
+        while time.monotonic() < deadline and not all(kv.settled(r) for r in ranks):
             await asyncio.sleep(0.05)
         marks = {rank: kv.watermark(rank) for rank in ranks}
         return KVMark(tuple((r, m.seq) for r, m in sorted(marks.items())), marks)

@@ -267,6 +267,14 @@ class KVEventSubscriber:
             return SyncState.STALE
         return rank.continuity
 
+    def settled(self, dp_rank: int = 0) -> bool:
+        """Whether waiting can no longer change the rank's state: SYNCED, or UNCERTAIN once
+        it has applied batches (what it lost is lost for good; only an engine-wide clear
+        resyncs it). Not while STALE or before its first batch, which a wait may bring."""
+        state = self.state(dp_rank)
+        return state is SyncState.SYNCED or (
+            state is SyncState.UNCERTAIN and self._rank(dp_rank).last_seq is not None)
+
     def watermark(self, dp_rank: int = 0) -> Watermark:
         rank = self._rank(dp_rank)
         return Watermark(dp_rank, rank.last_seq, self.state(dp_rank), rank.discontinuities)

@@ -192,13 +192,15 @@ async def test_oracle5_gap_replayed_in_order(ctx, old_shape: bool) -> None:
 async def test_gap_without_replay_is_uncertain_until_cleared(ctx) -> None:
     engine, subscriber = await started(ctx, replay=False)
     try:
+        assert not subscriber.settled()  # no batch yet: waiting may bring the first
         await engine.publish(batch_frames(0, [store(1)]))
         assert await subscriber.wait_for_seq(0, timeout_s=5.0)
-        assert subscriber.state() is SyncState.SYNCED
+        assert subscriber.state() is SyncState.SYNCED and subscriber.settled()
         mark = subscriber.watermark()
         await engine.publish(batch_frames(3, [store(7)]))
         assert await subscriber.wait_for_seq(3, timeout_s=5.0)
         assert subscriber.state() is SyncState.UNCERTAIN
+        assert subscriber.settled()  # the gap is lost for good: nothing to wait for
         assert not subscriber.evidence_since(mark).gap_free
         await engine.publish(batch_frames(4, [{"type": "AllBlocksCleared"}, store(9)]))
         assert await subscriber.wait_for_seq(4, timeout_s=5.0)
