@@ -23,7 +23,7 @@ import time
 
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
-from native_engine.kernels.cpu_features import cpu_flags
+from native_engine.kernels.cpu_features import CPU_FLAGS
 from native_engine.model.machine import reported_flags
 from native_engine.request import SamplingParams
 
@@ -70,7 +70,7 @@ def main() -> None:
     for t in tests:
         if t != "ttft1000" and not (t.startswith("c") and t[1:].isdigit() and int(t[1:]) > 0):
             p.error(f"unknown test {t!r}")
-    print("cpu flags:", ",".join(reported_flags(cpu_flags())) or "-", "| load", os.getloadavg())
+    print("cpu flags:", ",".join(reported_flags(CPU_FLAGS)) or "-", "| load", os.getloadavg())
     engines = {}
     for name, dtype in arms.items():
         start = time.perf_counter()

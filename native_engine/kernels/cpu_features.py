@@ -32,4 +32,5 @@ def has_fast_bf16(flags: frozenset[str]) -> bool:
     return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
-FAST_BF16 = has_fast_bf16(cpu_flags())
+CPU_FLAGS = cpu_flags()  # read once per process
+FAST_BF16 = has_fast_bf16(CPU_FLAGS)

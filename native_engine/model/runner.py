@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from native_engine.kernels import BACKENDS, select_backend
-from native_engine.kernels.cpu_features import cpu_flags
+from native_engine.kernels.cpu_features import CPU_FLAGS
 from native_engine.model.llama import AttentionMetadata, LlamaModel
 from native_engine.model.loaded import DTYPES, LoadedModel, dtype_name, weights_digest
 from native_engine.model.machine import (
@@ -122,7 +122,6 @@ class ModelRunner:
         self.device = torch.device(config.device)
         num_threads = config.num_threads or default_num_threads()
         torch.set_num_threads(num_threads)
-        flags = cpu_flags()
         self.dtype = auto_dtype(self.device) if config.dtype == "auto" else DTYPES[config.dtype]
         loaded = loaded or load_model(config.model_path, self.dtype)
         self.model_config = loaded.config
@@ -139,7 +138,7 @@ class ModelRunner:
             decode_attention_dtype=dtype_name(decode_dtype(self.dtype, self.device)),
             linear=self.model.linear_kind,
             num_threads=num_threads, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-            flags=reported_flags(flags))
+            flags=reported_flags(CPU_FLAGS))
         log.info("%s", self.compute.describe())
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.block_bytes())
