@@ -29,17 +29,10 @@ from pathlib import Path
 import aiohttp
 
 from governor.auth import sha256_hex
+from governor.bench.artifact import load_average, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = re.compile(r"fak: serving on (\S+) \(metrics on (\S+)\)")
-
-
-def cpu_flags() -> str:
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    text = Path("/proc/cpuinfo").read_text()
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return " ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted)
 
 
 def start(data: Path, victim_key: str, flood_key: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -158,7 +151,7 @@ def main() -> None:
         lines = log.read_text().splitlines()
         kinds = [json.loads(x)["record"]["event"]["kind"] for x in lines]
         a, f = statistics.median(alone), statistics.median(flooded)
-        print(f"cpu flags: {cpu_flags()}; load {os.getloadavg()}")
+        print(f"CPU: {machine_line()}; load {load_average()}")
         print(f"flood: {sent} salt-bearing requests; victim p50 alone {a * 1000:.1f} ms, "
               f"under the flood {f * 1000:.1f} ms, ratio {f / a:.3f}")
         print(f"audit log: +{log.stat().st_size - before} bytes, {len(lines)} records: "

@@ -62,6 +62,7 @@ if str(ROOT) not in sys.path:
 
 from adapters.fleet.driver import FleetDriver  # noqa: E402
 from governor.auth import sha256_hex  # noqa: E402
+from governor.bench.artifact import cpu_flags, cpu_model  # noqa: E402
 from governor.config import parse_config  # noqa: E402
 from governor.http.server import GovernorServer  # noqa: E402
 from governor.serve import build_driver, build_governor, governor_salt_key  # noqa: E402
@@ -304,14 +305,7 @@ def summarise(args: argparse.Namespace, arms: list[Arm], requests: int,
 
 
 def machine() -> dict[str, Any]:
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    return {"cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags],
+    return {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "flags": cpu_flags().split(),
             "load_average": os.getloadavg()}
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from governor.bench.artifact import load_average, machine_line
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
 from native_engine.model.weights import load_model
@@ -56,20 +57,6 @@ class Sample:
     ttft: dict[str, float] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
     prompt: int = 0
-
-
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def cpu_flags() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "sha_ni")
-    return " ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted)
 
 
 def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -118,7 +105,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dev-setup", action="store_true")
     args = ap.parse_args()
-    print(f"load at start {load_average()}; CPU flags: {cpu_flags()}; "
+    print(f"load at start {load_average()}; CPU: {machine_line()}; "
           f"torch {torch.__version__}")
     loaded = load_model(None, torch.float32)
     if args.dev_setup:

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import httpx
 
+from governor.bench.artifact import load_average, machine_line
+
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-" + "5eed" * 16  # LiteLLM's proxy refuses a weak master key; fak takes any
 MODEL = "smollm2"
@@ -69,22 +71,6 @@ class WrkResult:
 class Arm:
     url: str
     pid: int | None  # the process (with its children) charged to the arm (None: direct)
-
-
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def cpu_flags() -> str:
-    flags: set[str] = set()
-    model = "?"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags |= set(line.split(":", 1)[1].split())
-        elif line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-    simd = sorted(f for f in flags if f.startswith(("avx", "amx", "sse4")))
-    return f"{model}, {os.cpu_count()} cores, {' '.join(simd)}"
 
 
 def free_port() -> int:
@@ -315,7 +301,7 @@ def start_arms(stack: contextlib.ExitStack, tmp: Path, upstream: str,
 def run(args: argparse.Namespace) -> None:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not on PATH (Debian: apt-get install wrk)")
-    print(f"CPU: {cpu_flags()}; load average at start {load_average()}")
+    print(f"CPU: {machine_line()}; load average at start {load_average()}")
     with tempfile.TemporaryDirectory() as tmpdir, contextlib.ExitStack() as stack:
         tmp = Path(tmpdir)
         upstream, upstream_pid = args.upstream_url, None

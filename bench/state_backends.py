@@ -32,16 +32,17 @@ import httpx
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from governor_overhead import (  # a sibling script, found through the path above
+from line_rate import (  # a sibling script, found through the path above
+    BODY,
+    KEY,
     free_port,
     governor_config,
-    latency_rounds,
-    one_request,
     process,
 )
 
+from governor.bench.artifact import load_average, machine_line
+
 ROOT = Path(__file__).resolve().parents[1]
-DSN_ENV = "FAK_BENCH_STATE_DSN"
 
 
 @contextlib.contextmanager
@@ -71,11 +72,38 @@ def throwaway_postgres() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def file_config(directory: Path, upstream: str) -> Path:
+    return governor_config(directory, upstream)
+
+
 def postgres_config(directory: Path, upstream: str) -> Path:
-    path = governor_config(directory, upstream)
-    path.write_text(path.read_text() + f'\n[state]\nbackend = "postgres"\n'
-                    f'dsn_env = "{DSN_ENV}"\n')
-    return path
+    """The postgres backend on the database in $FAK_STATE_DSN."""
+    return governor_config(directory, upstream, shared=True)
+
+
+async def one_request(client: httpx.AsyncClient, base: str) -> float:
+    """Seconds to the whole answer of one non-streaming one-token completion."""
+    start = time.perf_counter()
+    r = await client.post(base + "/v1/completions", content=BODY,
+                          headers={"Content-Type": "application/json"})
+    r.raise_for_status()
+    return time.perf_counter() - start
+
+
+async def latency_rounds(arms: dict[str, str], rounds: int, per_round: int,
+                         warmup: int) -> dict[str, list[list[float]]]:
+    """Each arm's request latencies per round; the arms' order alternates round by round."""
+    samples: dict[str, list[list[float]]] = {a: [] for a in arms}
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"},
+                                 timeout=120) as client:
+        for base in arms.values():
+            for _ in range(warmup):
+                await one_request(client, base)
+        for r in range(rounds):
+            for arm in (list(arms) if r % 2 == 0 else list(reversed(arms))):
+                samples[arm].append([await one_request(client, arms[arm])
+                                     for _ in range(per_round)])
+    return samples
 
 
 def committed(dsn: str) -> int:
@@ -88,11 +116,11 @@ def committed(dsn: str) -> int:
 
 
 async def timed_requests(base: str, count: int) -> float:
-    async with httpx.AsyncClient(headers={"Authorization": "Bearer bench-key"},
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"},
                                  timeout=60) as client:
         start = time.perf_counter()
         for _ in range(count):
-            await one_request(client, base, False, 1)
+            await one_request(client, base)
         return time.perf_counter() - start
 
 
@@ -126,18 +154,6 @@ def report(samples: dict[str, list[list[float]]]) -> dict[str, float]:
     return added
 
 
-def cpu_flags() -> str:
-    flags = next((line.split(":", 1)[1].split() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
-                 [])
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
-    return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
-
-
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description="added latency: postgres vs file backend")
     parser.add_argument("--rounds", type=int, default=9)
@@ -146,17 +162,17 @@ def main() -> int:
     parser.add_argument("--dsn-env", help="an existing database (default: a throwaway one)")
     args = parser.parse_args()
     py = sys.executable
-    print(f"cpu flags: {cpu_flags()}; load {load_average()}")
+    print(f"CPU: {machine_line()}; load {load_average()}")
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         dsn = os.environ[args.dsn_env] if args.dsn_env else stack.enter_context(
             throwaway_postgres())
-        os.environ[DSN_ENV] = dsn
+        os.environ["FAK_STATE_DSN"] = dsn
         port = free_port()
         upstream = f"http://127.0.0.1:{port}"
         stack.enter_context(process([py, "bench/instant_upstream.py", "--port", str(port)],
                                     upstream + "/health"))
         arms = {"direct": upstream}
-        for arm, make in (("file", governor_config), ("postgres", postgres_config)):
+        for arm, make in (("file", file_config), ("postgres", postgres_config)):
             directory = Path(tmp) / arm
             directory.mkdir()
             gport = free_port()
@@ -166,7 +182,7 @@ def main() -> int:
                                          "--init-key"], arms[arm] + "/ready"))
         print(f"{args.rounds} rounds × {args.per_round} non-streaming max_tokens=1 requests "
               f"per arm, interleaved (order alternates), after {args.warmup} warm-up")
-        added = report(asyncio.run(latency_rounds(arms, False, args.rounds, args.per_round,
+        added = report(asyncio.run(latency_rounds(arms, args.rounds, args.per_round,
                                                   args.warmup)))
         print(f"  postgres − file: {added['postgres'] - added['file']:+.3f} ms added p50 "
               f"(target ≤ +0.5 ms)")

@@ -59,6 +59,11 @@ def load_average() -> str:
         return "unknown"
 
 
+def machine_line() -> str:
+    """The CPU a figure was measured on, for a benchmark's printout."""
+    return f"{cpu_model()}, {os.cpu_count()} cores, flags {cpu_flags()}"
+
+
 def host_facts() -> dict[str, ConfigValue]:
     return {"hostname": platform.node(), "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
             "cpus": os.cpu_count(), "python": platform.python_version(),
