@@ -72,10 +72,6 @@ def throwaway_postgres() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def file_config(directory: Path, upstream: str) -> Path:
-    return governor_config(directory, upstream)
-
-
 def postgres_config(directory: Path, upstream: str) -> Path:
     """The postgres backend on the database in $FAK_STATE_DSN."""
     return governor_config(directory, upstream, shared=True)
@@ -172,7 +168,7 @@ def main() -> int:
         stack.enter_context(process([py, "bench/instant_upstream.py", "--port", str(port)],
                                     upstream + "/health"))
         arms = {"direct": upstream}
-        for arm, make in (("file", file_config), ("postgres", postgres_config)):
+        for arm, make in (("file", governor_config), ("postgres", postgres_config)):
             directory = Path(tmp) / arm
             directory.mkdir()
             gport = free_port()

@@ -31,7 +31,8 @@ def convert(gguf_file: Path, outdir: Path) -> None:
         raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
     src_dir, name = str(gguf_file.parent), gguf_file.name
     # Each GGUF read parses the whole metadata (~10 s for the vocabulary here): the config
-    # is read once and handed to the model loader.
+    # is read once and the loader gets a copy (it marks its own as quantised, and `fresh`
+    # below must not be).
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
     config.dtype = torch.float32
     loaded = AutoModelForCausalLM.from_pretrained(

@@ -110,8 +110,8 @@ async def test_openai_surface_metrics_and_reset(server: RunningServer) -> None:
         assert (await c.get("/health")).status_code == 200
         assert isinstance((await c.get("/version")).json()["version"], str)
 
-        # 40 steps: over a second even at batch-1 speeds this engine does not reach yet,
-        # while the reset below is one local request
+        # 40 tokens keep it running for over a second even at 38 tok/s; the reset below is
+        # one local request
         running = asyncio.create_task(c.post("/v1/completions", json={**long,
                                                                        "max_tokens": 40}))
         while (await server.engine.stats()).num_running == 0:
