@@ -153,8 +153,8 @@ def attend(
     if step.single_decode is not None:
         blocks, ctx = step.single_decode
         dtype = decode_dtype(q.dtype, q.device)
-        keys = k_cache[blocks].flatten(0, 1)[:ctx].to(dtype)
-        values = v_cache[blocks].flatten(0, 1)[:ctx].to(dtype)
+        keys = _gather(k_cache, blocks).flatten(0, 1)[:ctx].to(dtype)
+        values = _gather(v_cache, blocks).flatten(0, 1)[:ctx].to(dtype)
         return _attention(q.to(dtype), keys, values, None, scale).to(q.dtype)
     if step.decode_valid is not None and step.decode_rows is None:  # decodes only
         return _batched_decode(q, k_cache, v_cache, step, scale)
@@ -171,12 +171,20 @@ def attend(
             out[p.lo : p.hi] = _attention(q[p.lo : p.hi], k[p.lo : p.hi], v[p.lo : p.hi], None,
                                           scale, causal=True)
         else:
-            keys = k_cache[p.blocks].flatten(0, 1)[: p.ctx].to(q.dtype)
-            values = v_cache[p.blocks].flatten(0, 1)[: p.ctx].to(q.dtype)
+            keys = _gather(k_cache, p.blocks).flatten(0, 1)[: p.ctx].to(q.dtype)
+            values = _gather(v_cache, p.blocks).flatten(0, 1)[: p.ctx].to(q.dtype)
             pos = torch.arange(p.ctx - (p.hi - p.lo), p.ctx).unsqueeze(1)
             mask = torch.arange(p.ctx).unsqueeze(0) <= pos  # causal, offset by the prefix
             out[p.lo : p.hi] = _attention(q[p.lo : p.hi], keys, values, mask, scale)
     return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The cache's blocks [*blocks.shape, block_size, Hkv, D] for int64 ids of any shape.
+    `index_select`, not `cache[blocks]`: advanced indexing took 3-5x as long (fp32 SmolLM2
+    blocks, 1 thread, the 2-core AVX2 EPYC: 71 against 21 us for 12 blocks, 7.1 against
+    2.5 ms for 64 x 16, once per layer for K and again for V)."""
+    return cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -216,8 +224,8 @@ def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_reqs, num_q_heads, head_dim = q.shape
     length = step.decode_valid.shape[1]
     dtype = decode_dtype(q.dtype, q.device)
-    k = k_cache[step.decode_blocks].view(num_reqs, length, *k_cache.shape[2:]).to(dtype)
-    v = v_cache[step.decode_blocks].view(num_reqs, length, *v_cache.shape[2:]).to(dtype)
+    k = _gather(k_cache, step.decode_blocks).view(num_reqs, length, *k_cache.shape[2:]).to(dtype)
+    v = _gather(v_cache, step.decode_blocks).view(num_reqs, length, *v_cache.shape[2:]).to(dtype)
     if step.decode_pad is not None:
         k.view(num_reqs * length, -1).index_fill_(0, step.decode_pad, 0.0)
         v.view(num_reqs * length, -1).index_fill_(0, step.decode_pad, 0.0)
