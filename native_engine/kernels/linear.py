@@ -11,6 +11,13 @@ Kinds:
   more rows run fp32 SGEMM on a float32 copy of the same bf16 values, the output rounded
   back to bf16. Both compute bf16 inputs with fp32 accumulation and round once, so they
   agree up to summation order; the model then holds its weights twice (bf16 + fp32).
+- "onednn_gemm": float32 on an x86 CPU. One row runs aten (MKL's SGEMV) on the plain
+  weight; more rows run a oneDNN-packed copy (`mkldnn._linear_pointwise`), whose fp32 GEMMs
+  beat MKL's on the 2-core AVX2 EPYC (SmolLM2, 1 thread, an engine of each side by side, 3
+  interleaved rounds, medians, against "aten": cold 1,000-token TTFT 5.99 -> 5.66 s,
+  concurrent 120-token prompts 23.1 -> 25.5 tok/s at 16 and 30.0 -> 34.2 at 64; batch-1
+  decode runs the same SGEMV). The two differ in summation order only (fp32, ~1e-4). The
+  model holds its weights twice: `fak serve`'s peak RSS 2,280 -> 3,044 MiB there.
 
 `choose_linear` picks per dtype and device; see its docstring for what was measured.
 """
@@ -20,12 +27,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LINEAR_KINDS = ("aten", "onednn", "widened")
+LINEAR_KINDS = ("aten", "onednn", "widened", "onednn_gemm")
 
 # Up to this many rows a widened linear runs the bf16 GEMV. The 30 layers' linears of
 # SmolLM2 (1 thread, 2-core AVX2 EPYC, medians of 5 interleaved): bf16 against fp32 39 vs
 # 70 ms at 1 row, 70 vs 111 at 2, 133 vs 124 at 4, 291 vs 198 at 8, 1,998 vs 433 at 64.
 GEMV_ROWS = 2
+# An onednn_gemm linear runs MKL for one row only. The same linears plus the lm_head, fp32,
+# MKL against oneDNN-packed (medians of 5 interleaved): 88 vs 102 ms at 1 row, 150 vs 105
+# at 2, 205 vs 111 at 3, 203 vs 146 at 8, 281 vs 220 at 16.
+SGEMV_ROWS = 1
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
@@ -42,32 +53,45 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 def choose_linear(dtype: torch.dtype, device: torch.device) -> str:
     """oneDNN-packed bf16 on CPUs that pack it (the AMX / AVX512-BF16 machines; not measurable
     on the AVX2 development machine), widened bf16 on CPUs that do not (aten's bf16 GEMM there
-    is 4-9x slower than fp32 past a few rows), aten everywhere else."""
+    is 4-9x slower than fp32 past a few rows); fp32 GEMMs through oneDNN on x86 CPUs (AVX2 or
+    AVX-512) that pack fp32; aten everywhere else (CUDA, other CPUs: not measured)."""
     if device.type == "cpu" and dtype == torch.bfloat16:
         return "onednn" if onednn_packs(dtype) else "widened"
+    if (device.type == "cpu" and dtype == torch.float32
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX")
+            and onednn_packs(dtype)):
+        return "onednn_gemm"
     return "aten"
 
 
 class Linear:
     """One weight [out, in] and its kernel; calling it computes x @ W.T for x [2-D, in].
     `weight` is what the kernel reads: the plain tensor for aten, the packed one for oneDNN
-    (the plain one is then dropped, so a packed model holds its weights once); `wide` is the
-    float32 copy a widened linear runs past GEMV_ROWS rows (None for the other kinds)."""
+    (the plain one is then dropped, so a packed model holds its weights once); `wide` is what
+    a widened or onednn_gemm linear runs past `few_rows` rows (GEMV_ROWS, SGEMV_ROWS): the
+    float32 copy, the packed one (None for the other kinds)."""
 
-    __slots__ = ("kind", "weight", "wide")
+    __slots__ = ("few_rows", "kind", "weight", "wide")
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         if kind not in LINEAR_KINDS:
             raise ValueError(f"linear kind must be one of {LINEAR_KINDS}, got {kind!r}")
         if kind == "widened" and weight.dtype != torch.bfloat16:
             raise ValueError(f"a widened linear takes a bf16 weight, got {weight.dtype}")
+        if kind == "onednn_gemm" and weight.dtype != torch.float32:
+            raise ValueError(f"an onednn_gemm linear takes a float32 weight, got {weight.dtype}")
         self.kind = kind
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, 1) if kind == "onednn"
                        else weight)
-        self.wide = weight.float() if kind == "widened" else None
+        self.wide = (weight.float() if kind == "widened"
+                     else torch.ops.mkldnn._reorder_linear_weight(weight) if kind == "onednn_gemm"
+                     else None)
+        self.few_rows = SGEMV_ROWS if kind == "onednn_gemm" else GEMV_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide is not None and x.shape[0] > GEMV_ROWS:
+        if self.wide is not None and x.shape[0] > self.few_rows:
+            if self.kind == "onednn_gemm":
+                return torch.ops.mkldnn._linear_pointwise(x, self.wide, None, "none", [], "")
             return F.linear(x.float(), self.wide).to(x.dtype)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")

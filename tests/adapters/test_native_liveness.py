@@ -61,8 +61,9 @@ async def until(d: NativeDriver, state: EngineState) -> None:
 
 async def test_declares_determinism_unavailable() -> None:
     """No batch invariance is claimed: torch_fast pads a step's decodes to its longest
-    context, and a widened bf16 linear runs a different kernel past GEMV_ROWS rows
-    (tests/native_engine/test_llama_ops.py), so a request's numerics follow its batch."""
+    context, and a widened bf16 or onednn_gemm fp32 linear runs a different kernel past
+    GEMV_ROWS or SGEMV_ROWS rows (tests/native_engine/test_llama_ops.py), so a request's
+    numerics follow its batch."""
     d = await driver()
     try:
         assert d.capabilities.determinism is Determinism.UNAVAILABLE

@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native_engine.kernels.linear import GEMV_ROWS, Linear, choose_linear, onednn_packs
+from native_engine.kernels.linear import (
+    GEMV_ROWS,
+    SGEMV_ROWS,
+    Linear,
+    choose_linear,
+    onednn_packs,
+)
 from native_engine.model.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
 from tests.native_engine.tiny_model import tiny_config
 
@@ -54,9 +60,30 @@ def test_onednn_packed_linear_equals_aten(rows: int) -> None:
         Linear(weight, "int8")
 
 
+@pytest.mark.parametrize("rows", [1, SGEMV_ROWS + 1, 64])
+def test_onednn_gemm_linear_is_aten_for_one_row_and_onednn_past_it(rows: int) -> None:
+    """Up to SGEMV_ROWS rows exactly aten's product (the same kernel on the same weight);
+    past them the packed copy's, equal up to fp32 summation order."""
+    weight, x = torch.randn(96, 40), torch.randn(rows, 40)
+    linear = Linear(weight, "onednn_gemm")
+    assert linear.weight is weight and linear.wide is not None
+    out = linear(x)
+    if rows <= SGEMV_ROWS:
+        assert torch.equal(out, F.linear(x, weight))
+    else:
+        packed = torch.ops.mkldnn._linear_pointwise(x, linear.wide, None, "none", [], "")
+        assert torch.equal(out, packed)
+        torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="float32 weight"):
+        Linear(weight.bfloat16(), "onednn_gemm")
+
+
 def test_linear_choice_per_dtype_and_device() -> None:
     cpu = torch.device("cpu")
-    assert choose_linear(torch.float32, cpu) == "aten"
+    x86 = torch.backends.cpu.get_cpu_capability().startswith("AVX")
+    want_fp32 = "onednn_gemm" if x86 and onednn_packs(torch.float32) else "aten"
+    assert choose_linear(torch.float32, cpu) == want_fp32
+    assert choose_linear(torch.float32, torch.device("cuda")) == "aten"
     assert choose_linear(torch.bfloat16, torch.device("cuda")) == "aten"
     want = "onednn" if onednn_packs(torch.bfloat16) else "widened"
     assert choose_linear(torch.bfloat16, cpu) == want
