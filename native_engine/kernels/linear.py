@@ -8,9 +8,10 @@ Kinds:
   bf16 weights only where the CPU has avx512bw/vl/dq or avx_ne_convert.
 - "widened": bf16 on a CPU without bf16 matrix units. A few rows (a decode) run the bf16
   weight (aten's bf16 GEMV: half the bytes of fp32, and a decode is bound by weight bytes);
-  more rows run fp32 SGEMM on a float32 copy of the same bf16 values, the output rounded
-  back to bf16. Both compute bf16 inputs with fp32 accumulation and round once, so they
-  agree up to summation order; the model then holds its weights twice (bf16 + fp32).
+  more rows run an fp32 GEMM on a float32 copy of the same bf16 values (oneDNN-packed where
+  oneDNN packs fp32, as "onednn_gemm" does, else aten's), the output rounded back to bf16.
+  Both compute bf16 inputs with fp32 accumulation and round once, so they agree up to
+  summation order; the model then holds its weights twice (bf16 + fp32).
 - "onednn_gemm": float32 on an x86 CPU. One row runs aten (MKL's SGEMV) on the plain
   weight; more rows run a oneDNN-packed copy (`mkldnn._linear_pointwise`), whose fp32 GEMMs
   beat MKL's on the 2-core AVX2 EPYC (SmolLM2, 1 thread, an engine of each side by side, 3
@@ -68,10 +69,10 @@ class Linear:
     """One weight [out, in] and its kernel; calling it computes x @ W.T for x [2-D, in].
     `weight` is what the kernel reads: the plain tensor for aten, the packed one for oneDNN
     (the plain one is then dropped, so a packed model holds its weights once); `wide` is what
-    a widened or onednn_gemm linear runs past `few_rows` rows (GEMV_ROWS, SGEMV_ROWS): the
-    float32 copy, the packed one (None for the other kinds)."""
+    a widened or onednn_gemm linear runs past `few_rows` rows (GEMV_ROWS, SGEMV_ROWS): a
+    float32 copy, oneDNN-packed when `packed_wide` (None for the other kinds)."""
 
-    __slots__ = ("few_rows", "kind", "weight", "wide")
+    __slots__ = ("few_rows", "kind", "packed_wide", "weight", "wide")
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         if kind not in LINEAR_KINDS:
@@ -83,16 +84,19 @@ class Linear:
         self.kind = kind
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, 1) if kind == "onednn"
                        else weight)
-        self.wide = (weight.float() if kind == "widened"
-                     else torch.ops.mkldnn._reorder_linear_weight(weight) if kind == "onednn_gemm"
-                     else None)
+        wide = weight.float() if kind in ("widened", "onednn_gemm") else None
+        self.packed_wide = wide is not None and (kind == "onednn_gemm"
+                                                 or onednn_packs(torch.float32))
+        self.wide = (torch.ops.mkldnn._reorder_linear_weight(wide)
+                     if wide is not None and self.packed_wide else wide)
         self.few_rows = SGEMV_ROWS if kind == "onednn_gemm" else GEMV_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.wide is not None and x.shape[0] > self.few_rows:
-            if self.kind == "onednn_gemm":
-                return torch.ops.mkldnn._linear_pointwise(x, self.wide, None, "none", [], "")
-            return F.linear(x.float(), self.wide).to(x.dtype)
+            wide = x.float()
+            out = (torch.ops.mkldnn._linear_pointwise(wide, self.wide, None, "none", [], "")
+                   if self.packed_wide else F.linear(wide, self.wide))
+            return out.to(x.dtype)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return F.linear(x, self.weight)
