@@ -25,6 +25,8 @@ Kinds:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -40,8 +42,9 @@ GEMV_ROWS = 2
 SGEMV_ROWS = 1
 
 
+@functools.cache
 def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can pack a weight of `dtype` on this CPU (probed on a tiny weight)."""
+    """Whether oneDNN can pack a weight of `dtype` on this CPU (probed on a tiny weight, once)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -93,9 +96,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.wide is not None and x.shape[0] > self.few_rows:
-            wide = x.float()
-            out = (torch.ops.mkldnn._linear_pointwise(wide, self.wide, None, "none", [], "")
-                   if self.packed_wide else F.linear(wide, self.wide))
+            x32 = x.float()
+            out = (torch.ops.mkldnn._linear_pointwise(x32, self.wide, None, "none", [], "")
+                   if self.packed_wide else F.linear(x32, self.wide))
             return out.to(x.dtype)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
