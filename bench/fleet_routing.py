@@ -291,7 +291,7 @@ def summarise(args: argparse.Namespace, arms: list[Arm], requests: int,
     gate = gate_comparison(states)
     return {
         "arms": per_arm,
-        "cached_ratio_kv_over_rr": kv["cached_token_ratio"] / rr["cached_token_ratio"],
+        "cached_ratio_kv_over_rr": ratio(kv["cached_token_ratio"], rr["cached_token_ratio"]),
         "ttft_p50_rr_over_kv": rr["ttft_p50_s"] / kv["ttft_p50_s"],
         "routing_decision_p50_ms": statistics.median(decisions) * 1000,
         "routing_decision_p99_ms": statistics.quantiles(decisions, n=100)[-1] * 1000,
@@ -302,6 +302,11 @@ def summarise(args: argparse.Namespace, arms: list[Arm], requests: int,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "machine": machine(),
     }
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b; None where b is 0 (with `--repeats 1` round robin can cache nothing)."""
+    return a / b if b else None
 
 
 def machine() -> dict[str, Any]:
@@ -346,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     kv = result["arms"]["kv_aware"]
     rr = result["arms"]["round_robin"]
     print(f"\ncached-token ratio: kv_aware {kv['cached_token_ratio']:.3f}, round_robin "
-          f"{rr['cached_token_ratio']:.3f} ({result['cached_ratio_kv_over_rr']:.2f}x)\n"
+          f"{rr['cached_token_ratio']:.3f} ({times(result['cached_ratio_kv_over_rr'])})\n"
           f"TTFT p50: kv_aware {kv['ttft_p50_s'] * 1000:.0f} ms, round_robin "
           f"{rr['ttft_p50_s'] * 1000:.0f} ms ({result['ttft_p50_rr_over_kv']:.2f}x lower)\n"
           f"routing decision p50 {result['routing_decision_p50_ms']:.3f} ms "
@@ -357,6 +362,10 @@ def main(argv: list[str] | None = None) -> None:
           f"(p99 {result['routing_steady_decision_p99_ms']:.3f} ms)\n"
           f"gate: {result['gate']['verdict']} {result['gate']['reasons']}\n"
           f"machine: {result['machine']}")
+
+
+def times(value: float | None) -> str:
+    return "no ratio: round robin cached nothing" if value is None else f"{value:.2f}x"
 
 
 if __name__ == "__main__":
