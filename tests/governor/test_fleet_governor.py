@@ -93,6 +93,8 @@ def test_keys_views_and_metrics(stack: Stack) -> None:
     assert [u["name"] for u in body["data"]] == ["a", "b"]
     assert [len(u["ranks"]) for u in body["data"]] == [1, 2]
     assert body["routing"]["policy"] == "round_robin" and body["routing"]["decisions"] == 6
+    wall, cpu = body["routing"]["decision_p50_ms"], body["routing"]["decision_cpu_p50_ms"]
+    assert 0 < cpu <= wall + 0.01, body["routing"]  # the thread's CPU time within the wall
     assert "secret" not in r.text
     assert HTTP.get(f"{stack.url}/admin/v1/upstreams", timeout=10).status_code == 401
     text = HTTP.get(stack.thread.metrics_urls[stack.url] + "/metrics", timeout=10).text
