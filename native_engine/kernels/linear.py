@@ -12,13 +12,20 @@ Kinds:
   oneDNN packs fp32, as "onednn_gemm" does, else aten's), the output rounded back to bf16.
   Both compute bf16 inputs with fp32 accumulation and round once, so they agree up to
   summation order; the model then holds its weights twice (bf16 + fp32).
-- "onednn_gemm": float32 on an x86 CPU. One row runs aten (MKL's SGEMV) on the plain
-  weight; more rows run a oneDNN-packed copy (`mkldnn._linear_pointwise`), whose fp32 GEMMs
-  beat MKL's on the 2-core AVX2 EPYC (SmolLM2, 1 thread, an engine of each side by side, 3
-  interleaved rounds, medians, against "aten": cold 1,000-token TTFT 5.99 -> 5.66 s,
-  concurrent 120-token prompts 23.1 -> 25.5 tok/s at 16 and 30.0 -> 34.2 at 64; batch-1
-  decode runs the same SGEMV). The two differ in summation order only (fp32, ~1e-4). The
-  model holds its weights twice: `fak serve`'s peak RSS 2,280 -> 3,044 MiB there.
+- "onednn_gemm": float32 on an x86 CPU. One row (a batch-1 decode) runs MKL's SGEMV: on an
+  [in, out] copy (`torch.mm(x, W.T)`, the weight read row by row into the output) where the
+  output is at least as wide as the input, on the plain weight (one dot product per output)
+  where it is narrower. SmolLM2's 30 layers plus its lm_head at one row (1 thread, 2-core
+  AVX2 EPYC, medians of 7 interleaved, distinct weights so none stays in cache): plain
+  weights 40.9 ms, this mix 30.5 ms, oneDNN-packed 38.4 ms; the lm_head alone 10.2 -> 5.6
+  ms; the down projection (1,536 -> 576) 226 us plain against 297 us transposed. The copy
+  replaces the plain weight. More rows run a oneDNN-packed copy (`mkldnn._linear_pointwise`),
+  whose fp32 GEMMs beat MKL's on the same machine (SmolLM2, 1 thread, an engine of each side
+  by side, 3 interleaved rounds, medians, against "aten": cold 1,000-token TTFT 5.99 -> 5.66
+  s, concurrent 120-token prompts 23.1 -> 25.5 tok/s at 16 and 30.0 -> 34.2 at 64; at 2, 3
+  and 4 rows the packed copy took 41, 48 and 50 ms against the mix's 47, 63 and 85). The
+  kinds differ in summation order only (fp32, ~1e-4). The model holds its weights twice:
+  `fak serve`'s peak RSS 2,280 -> 3,044 MiB there.
 
 `choose_linear` picks per dtype and device; see its docstring for what was measured.
 """
@@ -73,9 +80,10 @@ class Linear:
     `weight` is what the kernel reads: the plain tensor for aten, the packed one for oneDNN
     (the plain one is then dropped, so a packed model holds its weights once); `wide` is what
     a widened or onednn_gemm linear runs past `few_rows` rows (GEMV_ROWS, SGEMV_ROWS): a
-    float32 copy, oneDNN-packed when `packed_wide` (None for the other kinds)."""
+    float32 copy, oneDNN-packed when `packed_wide` (None for the other kinds). `transposed`:
+    `weight` is the [in, out] copy an onednn_gemm linear's single rows run."""
 
-    __slots__ = ("few_rows", "kind", "packed_wide", "weight", "wide")
+    __slots__ = ("few_rows", "kind", "packed_wide", "transposed", "weight", "wide")
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         if kind not in LINEAR_KINDS:
@@ -85,8 +93,9 @@ class Linear:
         if kind == "onednn_gemm" and weight.dtype != torch.float32:
             raise ValueError(f"an onednn_gemm linear takes a float32 weight, got {weight.dtype}")
         self.kind = kind
+        self.transposed = kind == "onednn_gemm" and weight.shape[0] >= weight.shape[1]
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, 1) if kind == "onednn"
-                       else weight)
+                       else weight.t().contiguous() if self.transposed else weight)
         wide = weight.float() if kind in ("widened", "onednn_gemm") else None
         self.packed_wide = wide is not None and (kind == "onednn_gemm"
                                                  or onednn_packs(torch.float32))
@@ -102,4 +111,6 @@ class Linear:
             return out.to(x.dtype)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        if self.transposed:
+            return torch.mm(x, self.weight)
         return F.linear(x, self.weight)

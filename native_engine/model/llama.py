@@ -166,6 +166,11 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")
         head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.lm_head = Linear(head, self.linear_kind)
+        if config.tie_word_embeddings and self.lm_head.transposed:
+            # The head's [in, out] copy holds the same numbers: looked up through a transposed
+            # view, the model holds them once (gathering 1,000 prompt tokens' rows that way
+            # took 9 ms instead of 1 ms, against seconds of prefill).
+            self.embed = self.lm_head.weight.t()
         self.norm = w("model.norm.weight")
         self.layers = [self._load_layer(w, i) for i in range(config.num_layers)]
         cos, sin = rope_tables(config)

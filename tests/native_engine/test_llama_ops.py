@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from native_engine.kernels import torch_fast
 from native_engine.kernels.linear import (
     GEMV_ROWS,
     SGEMV_ROWS,
@@ -15,8 +16,14 @@ from native_engine.kernels.linear import (
     choose_linear,
     onednn_packs,
 )
-from native_engine.model.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
-from tests.native_engine.tiny_model import tiny_config
+from native_engine.model.llama import (
+    LlamaModel,
+    apply_rope,
+    rms_norm,
+    rope_inv_freq,
+    rope_tables,
+)
+from tests.native_engine.tiny_model import random_model, tiny_config
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,22 +67,47 @@ def test_onednn_packed_linear_equals_aten(rows: int) -> None:
         Linear(weight, "int8")
 
 
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96)])
 @pytest.mark.parametrize("rows", [1, SGEMV_ROWS + 1, 64])
-def test_onednn_gemm_linear_is_aten_for_one_row_and_onednn_past_it(rows: int) -> None:
-    """Up to SGEMV_ROWS rows exactly aten's product (the same kernel on the same weight);
-    past them the packed copy's, equal up to fp32 summation order."""
-    weight, x = torch.randn(96, 40), torch.randn(rows, 40)
+def test_onednn_gemm_linear_is_mkl_for_one_row_and_onednn_past_it(
+        rows: int, shape: tuple[int, int]) -> None:
+    """Up to SGEMV_ROWS rows exactly MKL's product on the [in, out] copy where the output is
+    at least as wide as the input, on the plain weight where it is narrower; past them the
+    packed copy's; all equal up to fp32 summation order."""
+    weight = torch.randn(*shape)
+    x = torch.randn(rows, shape[1])
     linear = Linear(weight, "onednn_gemm")
-    assert linear.weight is weight and linear.wide is not None
+    assert linear.transposed == (shape[0] >= shape[1]) and linear.wide is not None
+    if linear.transposed:
+        assert linear.weight.shape == shape[::-1] and linear.weight.is_contiguous()
+        assert torch.equal(linear.weight.t(), weight)
+    else:
+        assert linear.weight is weight
     out = linear(x)
     if rows <= SGEMV_ROWS:
-        assert torch.equal(out, F.linear(x, weight))
+        want = torch.mm(x, linear.weight) if linear.transposed else F.linear(x, weight)
     else:
-        packed = torch.ops.mkldnn._linear_pointwise(x, linear.wide, None, "none", [], "")
-        assert torch.equal(out, packed)
-        torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-5)
+        want = torch.ops.mkldnn._linear_pointwise(x, linear.wide, None, "none", [], "")
+    assert torch.equal(out, want)
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="float32 weight"):
         Linear(weight.bfloat16(), "onednn_gemm")
+
+
+def test_a_tied_embedding_is_read_through_the_heads_transposed_copy() -> None:
+    """With a transposed fp32 head the embedding is a view of the head's [in, out] copy: the
+    same numbers, held once."""
+    loaded = random_model(seed=3)
+    embed = loaded.weights["model.embed_tokens.weight"].clone()
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32, torch.device("cpu"),
+                       torch_fast)
+    if not model.lm_head.transposed:
+        assert model.embed is model.lm_head.weight
+        return
+    assert model.embed.data_ptr() == model.lm_head.weight.data_ptr()
+    assert torch.equal(model.embed, embed)
+    ids = torch.tensor([0, 7, 258, 7])
+    assert torch.equal(model.embed[ids], embed[ids])
 
 
 def test_linear_choice_per_dtype_and_device() -> None:
