@@ -25,7 +25,10 @@ Kinds:
   s, concurrent 120-token prompts 23.1 -> 25.5 tok/s at 16 and 30.0 -> 34.2 at 64; at 2, 3
   and 4 rows the packed copy took 41, 48 and 50 ms against the mix's 47, 63 and 85). The
   kinds differ in summation order only (fp32, ~1e-4). The model holds its weights twice:
-  `fak serve`'s peak RSS 2,280 -> 3,044 MiB there.
+  `fak serve`'s peak RSS 2,280 -> 3,044 MiB there, 3,213 MiB with the [in, out] copies (the
+  loaded weights stay mapped while the model keeps views of them; copying those too took the
+  resident size after start-up 3,213 -> 2,820 MiB but the peak to 3,335, and a container is
+  sized by its peak).
 
 `choose_linear` picks per dtype and device; see its docstring for what was measured.
 """
