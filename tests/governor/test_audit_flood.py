@@ -8,10 +8,6 @@ import asyncio
 import itertools
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,20 +20,18 @@ from governor.auth import sha256_hex
 from schemas.audit import AuditRecord
 
 from .audit_rig import ADMIN
-from .server_thread import free_port
+from .fak_serve_process import start_fak_serve, stop_fak_serve
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 FLOOD, CALM = "flood", "calm"
 REQUESTS, WITH_HEADER, INTERVAL_S = 10_000, 1_000, 1.0
 
 
-def write_config(path: Path, port: int, data_dir: Path) -> None:
+def write_config(path: Path, data_dir: Path) -> None:
     tenants = "".join(f'[[tenants]]\nid = "{t}"\napi_key_sha256 = ["{sha256_hex("key-" + t)}"]\n'
                       for t in (FLOOD, CALM))
     path.write_text(f"""[server]
 host = "127.0.0.1"
-port = {port}
 data_dir = "{data_dir}"
 admin_token_sha256 = "{sha256_hex(ADMIN)}"
 client_cache_salt = "reject"
@@ -51,18 +45,6 @@ num_blocks = 128
 summary_interval_s = {INTERVAL_S}
 
 {tenants}""")
-
-
-def start_serve(config: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "governor.cli", "serve", "--config",
-                             str(config), "--init-key"], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "serving on" in line:
-            return proc
-    raise AssertionError(f"fak serve exited with {proc.wait()}")
 
 
 async def flood(url: str) -> tuple[dict[int, int], int]:
@@ -92,16 +74,18 @@ async def flood(url: str) -> tuple[dict[int, int], int]:
 
 
 def test_10k_salt_bearing_requests_grow_the_log_by_summaries_only(tmp_path: Path) -> None:
-    data_dir, port = tmp_path / "data", free_port()
-    write_config(tmp_path / "fak.toml", port, data_dir)
-    proc = start_serve(tmp_path / "fak.toml")
+    data_dir = tmp_path / "data"
+    write_config(tmp_path / "fak.toml", data_dir)
+    # Both ports at 0, read back from its output: a port picked free beforehand (and its
+    # port + 1 for metrics) could be taken while the model loads.
+    served = start_fak_serve(tmp_path / "fak.toml", data_dir)
     try:
         started = time.monotonic()
-        statuses, calm_ok = asyncio.run(flood(f"http://127.0.0.1:{port}"))
+        statuses, calm_ok = asyncio.run(flood(served.url))
         elapsed = time.monotonic() - started
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        stop_fak_serve(served, grace_s=60)
+    assert served.process.returncode == 0, served.log()[-4000:]
     assert statuses == {400: REQUESTS}  # every one refused, none unaudited
     assert calm_ok == REQUESTS // 1000
     log_path = data_dir / "audit.log"

@@ -57,6 +57,7 @@ def write_config(path: Path, name: str, port: int, data_dir: Path, key_path: Pat
     path.write_text(f"""[server]
 host = "127.0.0.1"
 port = {port}
+metrics_port = 0
 data_dir = "{data_dir}"
 admin_token_sha256 = "{sha256_hex(ADMIN)}"
 max_engine_concurrency = 64
