@@ -1,6 +1,6 @@
-"""Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16), decided once
-per process: the dtype choice (`native_engine.model.machine`) and the decode attention
-(`torch_fast`) read this one fact, so they cannot disagree."""
+"""What this CPU multiplies in hardware, decided once per process from its flags: bf16 at all
+(AMX tiles or AVX512-BF16: `FAST_BF16`, what the dtype choice in `native_engine.model.machine`
+reads) and bf16 tiles (AMX: `AMX_BF16`, what torch_fast's decode attention reads)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 # Flags that decide it (as /proc/cpuinfo spells them).
 BF16_MATRIX_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
+AMX_FLAGS = ("amx_bf16", "amx_tile")
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -32,5 +33,13 @@ def has_fast_bf16(flags: frozenset[str]) -> bool:
     return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
+def has_amx_bf16(flags: frozenset[str]) -> bool:
+    """bf16 tiles (AMX): by the flags, or by torch's own probe when flags are absent."""
+    if flags:
+        return all(f in flags for f in AMX_FLAGS)
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 CPU_FLAGS = cpu_flags()  # read once per process
 FAST_BF16 = has_fast_bf16(CPU_FLAGS)
+AMX_BF16 = has_amx_bf16(CPU_FLAGS)

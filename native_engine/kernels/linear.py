@@ -1,38 +1,29 @@
 """Linear layers y = x @ W.T through the kernel chosen for the machine, weights packed once.
 
-Kinds:
+Kinds (by dtype and CPU, `choose_linear`), for the rows past `few_rows`:
 - "aten": `F.linear` on the plain weight (MKL sgemm for fp32 on CPU; cuBLAS on CUDA).
 - "onednn": the weight reordered once into oneDNN's blocked layout
   (`mkldnn._reorder_linear_weight`) and run by `mkldnn._linear_pointwise`, as Inductor's
   freezing and vLLM CPU do; on AMX / AVX512-BF16 machines this is the bf16 path. oneDNN packs
   bf16 weights only where the CPU has avx512bw/vl/dq or avx_ne_convert.
-- "widened": bf16 on a CPU without bf16 matrix units. A few rows (a decode) run the bf16
-  weight (aten's bf16 GEMV: half the bytes of fp32, and a decode is bound by weight bytes);
-  more rows run an fp32 GEMM on a float32 copy of the same bf16 values (oneDNN-packed where
-  oneDNN packs fp32, as "onednn_gemm" does, else aten's), the output rounded back to bf16.
-  Both compute bf16 inputs with fp32 accumulation and round once, so they agree up to
-  summation order; the model then holds its weights twice (bf16 + fp32).
-- "onednn_gemm": float32 on an x86 CPU. One row (a batch-1 decode) runs MKL's SGEMV: on an
-  [in, out] copy (`torch.mm(x, W.T)`, the weight read row by row into the output) where the
-  output is at least as wide as the input, on the plain weight (one dot product per output)
-  where it is narrower. SmolLM2's 30 layers plus its lm_head at one row (1 thread, 2-core
-  AVX2 EPYC, medians of 7 interleaved, distinct weights so none stays in cache): plain
-  weights 40.9 ms, this mix 30.5 ms, oneDNN-packed 38.4 ms; the lm_head alone 10.2 -> 5.6
-  ms; the down projection (1,536 -> 576) 226 us plain against 297 us transposed. The copy
-  replaces the plain weight. More rows run a oneDNN-packed copy (`mkldnn._linear_pointwise`),
-  whose fp32 GEMMs beat MKL's on the same machine (SmolLM2, 1 thread, an engine of each side
-  by side, 3 interleaved rounds, medians, against "aten": cold 1,000-token TTFT 5.99 -> 5.66
-  s, concurrent 120-token prompts 23.1 -> 25.5 tok/s at 16 and 30.0 -> 34.2 at 64; at 2, 3
-  and 4 rows the packed copy took 41, 48 and 50 ms against the mix's 47, 63 and 85). The
-  kinds differ in summation order only (fp32, ~1e-4). The model holds its weights twice:
-  `fak serve`'s peak RSS 2,280 -> 3,044 MiB there, 3,213 MiB with the [in, out] copies (the
-  loaded weights stay mapped while the model keeps views of them; copying those too took the
-  resident size after start-up 3,213 -> 2,820 MiB but the peak to 3,335, and a container is
-  sized by its peak).
+- "widened": bf16 on a CPU without bf16 matrix units: an fp32 GEMM on a float32 copy of the
+  same bf16 values (oneDNN-packed where oneDNN packs fp32, else aten's), the output rounded
+  back to bf16; bf16 inputs with fp32 accumulation, rounded once, as the GEMV below.
+- "onednn_gemm": float32 on an x86 CPU, a oneDNN-packed copy (its fp32 GEMMs beat MKL's:
+  SmolLM2, 1 thread, 2-core AVX2 EPYC, cold 1,000-token TTFT 5.99 -> 5.66 s, 16 concurrent
+  120-token prompts 23.1 -> 25.5 tok/s, 64: 30.0 -> 34.2).
 
-`choose_linear` picks per dtype and device; see its docstring for what was measured.
+A few rows (a decode: `few_rows`, 2) are bound by the weight bytes, which every library GEMV
+here read at well under the memory's bandwidth; they run fak's C GEMV (`cpu_native.gemv`:
+each weight row read once for all rows, fp32 accumulation) on the plain weight. SmolLM2's 30
+layers plus its lm_head at one row, 1 thread, 2-core AVX512-BF16 EPYC: bf16 oneDNN 21.2 ms,
+the C GEMV 13.4 ms; fp32 MKL's SGEMV on [in, out] copies (the earlier one-row path) 45.7 ms,
+the C GEMV 27.0 ms, and bf16 built for AVX2 only 20.3 ms against aten's bf16 GEMV 48.6 ms.
+Where the C kernels did not build, the earlier paths run: MKL's SGEMV on an [in, out] copy
+for an "onednn_gemm" row, aten's bf16 GEMV for up to two "widened" rows, the packed weight
+for "onednn". The kinds differ in summation order only (fp32 ~1e-4, bf16 one rounding).
+A packed or widened model holds its weights twice (the plain copy for the few rows).
 """
-
 from __future__ import annotations
 
 import functools
@@ -40,15 +31,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from native_engine.kernels import cpu_native
+
 LINEAR_KINDS = ("aten", "onednn", "widened", "onednn_gemm")
 
-# Up to this many rows a widened linear runs the bf16 GEMV. The 30 layers' linears of
-# SmolLM2 (1 thread, 2-core AVX2 EPYC, medians of 5 interleaved): bf16 against fp32 39 vs
-# 70 ms at 1 row, 70 vs 111 at 2, 133 vs 124 at 4, 291 vs 198 at 8, 1,998 vs 433 at 64.
+# Up to this many rows a linear runs the C GEMV where it built (bf16, 1 thread, the 30
+# layers' linears: 11.1 against oneDNN's 17.5 ms at 1 row, 15.5 against 25 at 2, even at 4).
+NATIVE_GEMV_ROWS = 2
+# Without it: a widened linear runs the bf16 GEMV up to this many rows (1 thread, 2-core AVX2
+# EPYC, the 30 layers: bf16 against fp32 39 vs 70 ms at 1 row, 70 vs 111 at 2, 133 vs 124
+# at 4), an onednn_gemm one MKL's SGEMV for one row (88 vs 102 ms at 1 row, 150 vs 105 at 2).
 GEMV_ROWS = 2
-# An onednn_gemm linear runs MKL for one row only. The same linears plus the lm_head, fp32,
-# MKL against oneDNN-packed (medians of 5 interleaved): 88 vs 102 ms at 1 row, 150 vs 105
-# at 2, 205 vs 111 at 3, 203 vs 146 at 8, 281 vs 220 at 16.
 SGEMV_ROWS = 1
 
 
@@ -79,14 +72,16 @@ def choose_linear(dtype: torch.dtype, device: torch.device) -> str:
 
 
 class Linear:
-    """One weight [out, in] and its kernel; calling it computes x @ W.T for x [2-D, in].
-    `weight` is what the kernel reads: the plain tensor for aten, the packed one for oneDNN
-    (the plain one is then dropped, so a packed model holds its weights once); `wide` is what
-    a widened or onednn_gemm linear runs past `few_rows` rows (GEMV_ROWS, SGEMV_ROWS): a
-    float32 copy, oneDNN-packed when `packed_wide` (None for the other kinds). `transposed`:
-    `weight` is the [in, out] copy an onednn_gemm linear's single rows run."""
+    """One weight [out, in] and its kernels; calling it computes x @ W.T for x [2-D, in].
 
-    __slots__ = ("few_rows", "kind", "packed_wide", "transposed", "weight", "wide")
+    `weight` is what the kind reads past `few_rows` rows: the plain tensor for aten, the
+    packed one for oneDNN, the [in, out] copy for onednn_gemm without the C GEMV
+    (`transposed`); `wide` is a widened or onednn_gemm linear's float32 copy, oneDNN-packed
+    when `packed_wide`. `native` (the C kernels, where they built and the kind is not aten)
+    runs rows up to `few_rows` on `plain`, the weight as loaded."""
+
+    __slots__ = ("few_rows", "kind", "native", "packed_wide", "plain", "transposed", "weight",
+                 "wide")
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         if kind not in LINEAR_KINDS:
@@ -96,18 +91,27 @@ class Linear:
         if kind == "onednn_gemm" and weight.dtype != torch.float32:
             raise ValueError(f"an onednn_gemm linear takes a float32 weight, got {weight.dtype}")
         self.kind = kind
-        self.transposed = kind == "onednn_gemm" and weight.shape[0] >= weight.shape[1]
+        self.native = (cpu_native.load() if kind != "aten" and weight.device.type == "cpu"
+                       and weight.dtype in cpu_native.SUFFIX else None)
+        self.plain = weight.contiguous() if self.native is not None else None
+        self.transposed = (self.native is None and kind == "onednn_gemm"
+                           and weight.shape[0] >= weight.shape[1])
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, 1) if kind == "onednn"
-                       else weight.t().contiguous() if self.transposed else weight)
+                       else weight.t().contiguous() if self.transposed
+                       else self.plain if self.plain is not None else weight)
         wide = weight.float() if kind in ("widened", "onednn_gemm") else None
         self.packed_wide = wide is not None and (kind == "onednn_gemm"
                                                  or onednn_packs(torch.float32))
         self.wide = (torch.ops.mkldnn._reorder_linear_weight(wide)
                      if wide is not None and self.packed_wide else wide)
-        self.few_rows = SGEMV_ROWS if kind == "onednn_gemm" else GEMV_ROWS
+        self.few_rows = (NATIVE_GEMV_ROWS if self.native is not None
+                         else SGEMV_ROWS if kind == "onednn_gemm" else GEMV_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide is not None and x.shape[0] > self.few_rows:
+        few = x.shape[0] <= self.few_rows
+        if few and self.native is not None and self.plain is not None:
+            return cpu_native.gemv(self.native, x.contiguous(), self.plain)
+        if self.wide is not None and not few:
             x32 = x.float()
             out = (torch.ops.mkldnn._linear_pointwise(x32, self.wide, None, "none", [], "")
                    if self.packed_wide else F.linear(x32, self.wide))

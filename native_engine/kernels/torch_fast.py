@@ -15,12 +15,14 @@ mask offset by the prefix. Positions past a context (the tail of a partial block
 blocks) are masked out and zeroed in the gathered K and V, so NaN or stale values there
 cannot leak into the output.
 
-Decodes on a CPU without bf16 matrix units (no AMX, no AVX512-BF16) attend in float32 on
-upcast copies of q and the gathered K, V (`DECODE_UPCAST`): SDPA's bf16 CPU kernel there took
-431 against 166 us for one query over 150 keys and 3.7 against 0.86 ms over 1,000 (SmolLM2
-heads, 1 thread, the 2-core AVX2 EPYC). The result is rounded back to q's dtype once, as
+Decodes on a CPU without AMX attend in float32 on upcast copies of q and the gathered K, V
+(`DECODE_UPCAST`): SDPA's bf16 CPU kernel took 431 against 166 us for one query over 150
+keys and 3.7 against 0.86 ms over 1,000 on the 2-core AVX2 EPYC, and 4.3 against 0.92 ms
+for 16 decodes over 160 keys on the 2-core AVX512-BF16 EPYC (SmolLM2 heads, 1 thread); AMX
+machines keep bf16 (not measured here). The result is rounded back to q's dtype once, as
 the bf16 kernel's fp32 accumulation is. Prefill attention stays in the model's dtype (its
-bf16 flash kernel measured no slower than fp32 there).
+bf16 flash kernel measured no slower than fp32 on either machine). The `cpu` backend
+(cpu_backend) runs these decodes through fak's C kernel instead.
 
 Determinism: outputs equal torch_ref's within rounding, but a decode is not bitwise
 independent of the rest of the batch (the padded key length follows the batch's longest
@@ -30,22 +32,24 @@ context). torch_ref is the batch-invariant path.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from native_engine.kernels.cpu_features import FAST_BF16
+from native_engine.kernels.cpu_features import AMX_BF16
 from native_engine.kernels.torch_ref import store_kv as store_kv
 
-__all__ = ["DECODE_UPCAST", "StepPlan", "attend", "paged_attention", "plan", "store_kv"]
+__all__ = ["DECODE_UPCAST", "StepPlan", "attend", "attend_with", "paged_attention", "plan",
+           "store_kv"]
 
-DECODE_UPCAST = not FAST_BF16
+DECODE_UPCAST = not AMX_BF16
 
 
 def decode_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype a decode attends in: float32 for half precision on a CPU without bf16
-    matrix units (see the module docstring), else the model's own."""
+    """The dtype a decode attends in: float32 for half precision on a CPU without AMX (see
+    the module docstring), else the model's own."""
     if DECODE_UPCAST and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return dtype
@@ -69,9 +73,10 @@ class StepPlan:
     store_slots: slots written (those >= 0 of slot_mapping; None: nothing to store);
     store_rows: the k/v rows written there, None meaning all rows in order. Decodes (one
     new token): q rows `decode_rows` (None: every row is a decode, in request order), their
-    blocks [Rd, nb], the mask of positions inside each context [Rd, nb * block_size] and
-    `decode_pad`, the flat indices of the positions outside (None: none);
-    `single_decode` (blocks, context) is a step of one decode alone. `prefills`: the
+    blocks [Rd, nb] (int64) and contexts `decode_ctx` [Rd] (int64); for SDPA, the mask of
+    positions inside each context [Rd, nb * block_size] and `decode_pad`, the flat indices
+    of the positions outside (None: none), or `single_decode` (blocks, context) for a step
+    of one decode alone (`masks=False` plans leave these three None). `prefills`: the
     multi-token requests.
     """
 
@@ -79,10 +84,15 @@ class StepPlan:
     store_rows: torch.Tensor | None
     decode_rows: torch.Tensor | None
     decode_blocks: torch.Tensor | None
+    decode_ctx: torch.Tensor | None
     decode_valid: torch.Tensor | None
     decode_pad: torch.Tensor | None
     single_decode: tuple[torch.Tensor, int] | None
     prefills: tuple[Prefill, ...]
+
+    @property
+    def has_decodes(self) -> bool:
+        return self.decode_blocks is not None
 
 
 def plan(
@@ -91,11 +101,14 @@ def plan(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     block_size: int,
+    num_blocks: int | None = None,
+    masks: bool = True,
 ) -> StepPlan:
     """The step's layout (see StepPlan); every host-side list is read here, once.
 
     `slot_mapping` None: nothing is stored and every prefill reads its K/V from the caches
-    (the `paged_attention` contract, where the caches already hold the step's tokens)."""
+    (the `paged_attention` contract, where the caches already hold the step's tokens).
+    `num_blocks` (the caches' size) is not needed here; other backends check against it."""
     starts = query_start_loc.tolist()
     ctxs = context_lens.tolist()
     lens = [hi - lo for lo, hi in itertools.pairwise(starts)]
@@ -111,19 +124,22 @@ def plan(
         Prefill(starts[r], starts[r + 1], ctxs[r], None if fresh and ctxs[r] == n else blocks_of(r))
         for r, n in enumerate(lens) if n > 1
     )
-    single = decode_rows = blocks = valid = pad = None
-    if len(decodes) == 1 and not prefills:
-        single = (blocks_of(decodes[0]), ctxs[decodes[0]])
-    elif decodes:
+    single = decode_rows = blocks = ctx = valid = pad = None
+    if decodes:
         index = torch.tensor(decodes)
         width = -(-max(ctxs[r] for r in decodes) // block_size)
         blocks = tables[index, :width]
-        valid = torch.arange(width * block_size) < context_lens.long()[index].unsqueeze(1)
-        pad = (~valid).flatten().nonzero().squeeze(1)
-        pad = pad if pad.numel() else None
+        ctx = context_lens.long()[index]
         if len(decodes) < len(lens):
             decode_rows = torch.tensor([starts[r] for r in decodes])
-    return StepPlan(store_slots, store_rows, decode_rows, blocks, valid, pad, single, prefills)
+    if masks and len(decodes) == 1 and not prefills:
+        single = (blocks_of(decodes[0]), ctxs[decodes[0]])
+    elif masks and blocks is not None and ctx is not None:
+        valid = torch.arange(blocks.shape[1] * block_size) < ctx.unsqueeze(1)
+        pad = (~valid).flatten().nonzero().squeeze(1)
+        pad = pad if pad.numel() else None
+    return StepPlan(store_slots, store_rows, decode_rows, blocks, ctx, valid, pad, single,
+                    prefills)
 
 
 def _store_layout(
@@ -137,6 +153,9 @@ def _store_layout(
     return slot_mapping[keep], keep.nonzero().squeeze(1)
 
 
+Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, float], torch.Tensor]
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor | None,
@@ -148,23 +167,25 @@ def attend(
 ) -> torch.Tensor:
     """Store the step's k, v [T, Hkv, D] (None: planned without slots, nothing to store)
     and attend q [T, Hq, D] → [T, Hq, D] in q's dtype."""
+    return attend_with(sdpa_decode, q, k, v, k_cache, v_cache, step, scale)
+
+
+def attend_with(decode: Decode, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepPlan,
+                scale: float) -> torch.Tensor:
+    """`attend` with the step's decode rows attended by `decode(q_rows, k_cache, v_cache,
+    step, scale)`; prefills as `attend`."""
     if k is not None and v is not None and step.store_slots is not None:
         _store(k, v, k_cache, v_cache, step)
-    if step.single_decode is not None:
-        blocks, ctx = step.single_decode
-        dtype = decode_dtype(q.dtype, q.device)
-        keys = _gather(k_cache, blocks).flatten(0, 1)[:ctx].to(dtype)
-        values = _gather(v_cache, blocks).flatten(0, 1)[:ctx].to(dtype)
-        return _attention(q.to(dtype), keys, values, None, scale).to(q.dtype)
-    if step.decode_valid is not None and step.decode_rows is None:  # decodes only
-        return _batched_decode(q, k_cache, v_cache, step, scale)
-    if step.decode_valid is None and len(step.prefills) == 1 and step.prefills[0].blocks is None:
+    if step.has_decodes and step.decode_rows is None:  # decodes only
+        return decode(q, k_cache, v_cache, step, scale)
+    if not step.has_decodes and len(step.prefills) == 1 and step.prefills[0].blocks is None:
         assert k is not None and v is not None  # a fresh prompt brings its own k, v
         return _attention(q, k, v, None, scale, causal=True)  # one fresh prompt: cold TTFT
     out = torch.empty_like(q)
-    if step.decode_valid is not None:
+    if step.has_decodes:
         rows = step.decode_rows
-        out[rows] = _batched_decode(q[rows], k_cache, v_cache, step, scale)
+        out[rows] = decode(q[rows], k_cache, v_cache, step, scale)
     for p in step.prefills:
         if p.blocks is None:
             assert k is not None and v is not None
@@ -177,6 +198,18 @@ def attend(
             mask = torch.arange(p.ctx).unsqueeze(0) <= pos  # causal, offset by the prefix
             out[p.lo : p.hi] = _attention(q[p.lo : p.hi], keys, values, mask, scale)
     return out
+
+
+def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepPlan,
+                scale: float) -> torch.Tensor:
+    """The step's decode rows q [Rd, Hq, D] through SDPA (a plan made with masks)."""
+    if step.single_decode is not None:
+        blocks, ctx = step.single_decode
+        dtype = decode_dtype(q.dtype, q.device)
+        keys = _gather(k_cache, blocks).flatten(0, 1)[:ctx].to(dtype)
+        values = _gather(v_cache, blocks).flatten(0, 1)[:ctx].to(dtype)
+        return _attention(q.to(dtype), keys, values, None, scale).to(q.dtype)
+    return _batched_decode(q, k_cache, v_cache, step, scale)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

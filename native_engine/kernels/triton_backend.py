@@ -24,7 +24,7 @@ class StepPlan:
 
 
 def plan(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-         context_lens: torch.Tensor, block_size: int) -> StepPlan:
+         context_lens: torch.Tensor, block_size: int, num_blocks: int | None = None) -> StepPlan:
     return StepPlan(slot_mapping, block_tables, query_start_loc, context_lens)
 
 

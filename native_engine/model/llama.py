@@ -204,7 +204,8 @@ class LlamaModel:
         cfg = self.config
         t = input_ids.shape[0]
         step = self.kernels.plan(attn.slot_mapping, attn.block_tables, attn.query_start_loc,
-                                 attn.context_lens, kv_caches[0][0].shape[1])
+                                 attn.context_lens, kv_caches[0][0].shape[1],
+                                 num_blocks=kv_caches[0][0].shape[0])
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         num_qk = cfg.num_heads + cfg.num_kv_heads

@@ -48,23 +48,25 @@ class ComputeChoice:
     num_threads: int
     cpu_capability: str
     flags: tuple[str, ...]
+    few_rows_linear: str  # what runs a decode's few-row linears: "c_gemv" or `linear`
 
     def describe(self) -> str:
         return (f"compute: device={self.device} dtype={self.dtype} attention={self.attention} "
                 f"decode_attention_dtype={self.decode_attention_dtype} linear={self.linear} "
-                f"threads={self.num_threads} "
+                f"few_rows_linear={self.few_rows_linear} threads={self.num_threads} "
                 f"cpu_capability={self.cpu_capability} flags={','.join(self.flags) or '-'}")
 
     def labels(self) -> dict[str, str]:
         return {"device": self.device, "dtype": self.dtype, "attention": self.attention,
                 "decode_attention_dtype": self.decode_attention_dtype, "linear": self.linear,
+                "few_rows_linear": self.few_rows_linear,
                 "threads": str(self.num_threads),
                 "cpu_capability": self.cpu_capability, "cpu_flags": ",".join(self.flags)}
 
 
 def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
-    """bfloat16 on CUDA and on CPUs with bf16 matrix units (this one's: `FAST_BF16`, the fact
-    the decode attention follows too), float32 otherwise."""
+    """bfloat16 on CUDA and on CPUs with bf16 matrix units (this one's: `FAST_BF16`), float32
+    otherwise."""
     if device.type == "cuda":
         return torch.bfloat16
     fast = FAST_BF16 if flags is None else has_fast_bf16(flags)

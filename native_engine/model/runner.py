@@ -138,7 +138,9 @@ class ModelRunner:
             decode_attention_dtype=dtype_name(decode_dtype(self.dtype, self.device)),
             linear=self.model.linear_kind,
             num_threads=num_threads, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-            flags=reported_flags(CPU_FLAGS))
+            flags=reported_flags(CPU_FLAGS),
+            few_rows_linear="c_gemv" if self.model.lm_head.native is not None
+            else self.model.linear_kind)
         log.info("%s", self.compute.describe())
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.block_bytes())

@@ -89,9 +89,19 @@ def test_store_kv_writes_each_slot_and_skips_minus_one(num_tokens, page, seed) -
     assert not k_cache.view(-1, 3, 8)[untouched].any()
 
 
-def test_select_backend() -> None:
-    assert select_backend("auto", "cpu") is torch_fast
+def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from native_engine.kernels import cpu_backend, cpu_native
+
+    # This machine builds fak's C kernels (CI's too: gcc is there), so auto takes them.
+    assert select_backend("auto", "cpu") is cpu_backend
+    assert select_backend("cpu", "cpu") is cpu_backend
     assert select_backend("torch", "cpu") is torch_fast
+    with pytest.raises(ValueError, match="cpu attention backend needs"):
+        select_backend("cpu", "cuda")
+    monkeypatch.setattr(cpu_native, "load", lambda: None)  # where they did not build
+    assert select_backend("auto", "cpu") is torch_fast
+    with pytest.raises(ValueError, match="did not build here"):
+        select_backend("cpu", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("flash", "cpu")
     from native_engine.kernels import triton_backend

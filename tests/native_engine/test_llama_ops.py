@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native_engine.kernels import torch_fast
+from native_engine.kernels import cpu_native, torch_fast
 from native_engine.kernels.linear import (
     GEMV_ROWS,
+    NATIVE_GEMV_ROWS,
     SGEMV_ROWS,
     Linear,
     choose_linear,
@@ -68,15 +69,41 @@ def test_onednn_packed_linear_equals_aten(rows: int) -> None:
 
 
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96)])
-@pytest.mark.parametrize("rows", [1, SGEMV_ROWS + 1, 64])
-def test_onednn_gemm_linear_is_mkl_for_one_row_and_onednn_past_it(
+@pytest.mark.parametrize("rows", [1, NATIVE_GEMV_ROWS, NATIVE_GEMV_ROWS + 1, 64])
+def test_few_rows_run_the_c_gemv_and_more_the_packed_copy(
         rows: int, shape: tuple[int, int]) -> None:
-    """Up to SGEMV_ROWS rows exactly MKL's product on the [in, out] copy where the output is
-    at least as wide as the input, on the plain weight where it is narrower; past them the
-    packed copy's; all equal up to fp32 summation order."""
+    """Up to NATIVE_GEMV_ROWS rows exactly the C GEMV's product on the plain weight, past
+    them the packed copy's; equal up to fp32 summation order (this machine builds the C
+    kernels, as CI's does)."""
     weight = torch.randn(*shape)
     x = torch.randn(rows, shape[1])
     linear = Linear(weight, "onednn_gemm")
+    kernels = cpu_native.load()
+    assert kernels is not None and linear.native is kernels
+    assert linear.plain is weight and not linear.transposed and linear.wide is not None
+    out = linear(x)
+    if rows <= NATIVE_GEMV_ROWS:
+        want = cpu_native.gemv(kernels, x, weight)
+    else:
+        want = torch.ops.mkldnn._linear_pointwise(x, linear.wide, None, "none", [], "")
+    assert torch.equal(out, want)
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="float32 weight"):
+        Linear(weight.bfloat16(), "onednn_gemm")
+
+
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96)])
+@pytest.mark.parametrize("rows", [1, SGEMV_ROWS + 1, 64])
+def test_without_the_c_kernels_one_row_is_mkl_and_more_onednn(
+        rows: int, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C kernels did not build: up to SGEMV_ROWS rows exactly MKL's product on the
+    [in, out] copy where the output is at least as wide as the input, on the plain weight
+    where it is narrower; past them the packed copy's."""
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    weight = torch.randn(*shape)
+    x = torch.randn(rows, shape[1])
+    linear = Linear(weight, "onednn_gemm")
+    assert linear.native is None and linear.plain is None
     assert linear.transposed == (shape[0] >= shape[1]) and linear.wide is not None
     if linear.transposed:
         assert linear.weight.shape == shape[::-1] and linear.weight.is_contiguous()
@@ -90,8 +117,6 @@ def test_onednn_gemm_linear_is_mkl_for_one_row_and_onednn_past_it(
         want = torch.ops.mkldnn._linear_pointwise(x, linear.wide, None, "none", [], "")
     assert torch.equal(out, want)
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-5)
-    with pytest.raises(ValueError, match="float32 weight"):
-        Linear(weight.bfloat16(), "onednn_gemm")
 
 
 def test_a_tied_embedding_is_read_through_the_heads_transposed_copy() -> None:

@@ -7,7 +7,13 @@ from pathlib import Path
 import torch
 
 from native_engine.kernels import torch_fast
-from native_engine.kernels.cpu_features import FAST_BF16, cpu_flags, has_fast_bf16
+from native_engine.kernels.cpu_features import (
+    AMX_BF16,
+    FAST_BF16,
+    cpu_flags,
+    has_amx_bf16,
+    has_fast_bf16,
+)
 from native_engine.model.machine import ComputeChoice, auto_dtype, reported_flags
 from native_engine.model.runner import ModelRunner, RunnerConfig
 from tests.native_engine.tiny_model import random_model
@@ -36,13 +42,16 @@ def test_bf16_only_with_matrix_units() -> None:
                                         "avx2", "fma", "f16c")
 
 
-def test_the_dtype_and_the_decode_attention_follow_one_fact() -> None:
-    """bf16 by default exactly where decodes attend in bf16: both read FAST_BF16."""
+def test_the_dtype_and_the_decode_attention_follow_the_flags() -> None:
+    """bf16 by default where the CPU multiplies bf16; torch_fast's decodes attend in bf16
+    only where it has AMX tiles (SDPA's bf16 decode was slower than fp32 on AVX512-BF16)."""
     cpu = torch.device("cpu")
-    assert has_fast_bf16(cpu_flags()) == FAST_BF16
-    assert (auto_dtype(cpu) == torch.bfloat16) == FAST_BF16 == (not torch_fast.DECODE_UPCAST)
-    want = torch.bfloat16 if FAST_BF16 else torch.float32
+    assert has_fast_bf16(cpu_flags()) == FAST_BF16 and has_amx_bf16(cpu_flags()) == AMX_BF16
+    assert (auto_dtype(cpu) == torch.bfloat16) == FAST_BF16
+    assert (not AMX_BF16) == torch_fast.DECODE_UPCAST
+    want = torch.bfloat16 if AMX_BF16 else torch.float32
     assert torch_fast.decode_dtype(torch.bfloat16, cpu) == want
+    assert has_amx_bf16(SAPPHIRE) and not has_amx_bf16(AVX2 | {"avx512_bf16"})
 
 
 def test_runner_reports_its_choice_for_this_machine() -> None:
@@ -52,7 +61,8 @@ def test_runner_reports_its_choice_for_this_machine() -> None:
     assert isinstance(choice, ComputeChoice)
     want = torch.bfloat16 if has_fast_bf16(cpu_flags()) else torch.float32
     assert runner.dtype == want and choice.dtype == str(want).removeprefix("torch.")
-    assert choice.attention == "torch_fast" and choice.num_threads == 1
+    assert choice.attention == "cpu_backend" and choice.num_threads == 1
+    assert choice.decode_attention_dtype == "float32" and choice.few_rows_linear == "c_gemv"
     assert choice.cpu_capability == torch.backends.cpu.get_cpu_capability()
     assert set(choice.flags) <= cpu_flags()
     line = choice.describe()

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native_engine.kernels import select_backend, torch_fast, torch_ref
-from native_engine.kernels.cpu_features import FAST_BF16
+from native_engine.kernels import cpu_backend, select_backend, torch_fast, torch_ref
+from native_engine.kernels.cpu_features import AMX_BF16
 from native_engine.kernels.paged_batch import make_paged_batch
 
 HEADS = st.sampled_from([(1, 1), (4, 2), (9, 3), (8, 1)])
@@ -56,8 +56,7 @@ def test_store_kv_is_the_reference_one() -> None:
     assert torch_fast.store_kv is torch_ref.store_kv
 
 
-def test_cpu_backends_select_the_fast_path() -> None:
-    assert select_backend("auto", "cpu") is torch_fast
+def test_the_torch_backend_is_torch_fast() -> None:
     assert select_backend("torch", "cpu") is torch_fast
 
 
@@ -83,7 +82,13 @@ def new_token_slots(batch) -> torch.Tensor:
 )
 def test_attend_with_the_steps_fresh_kv_matches_reference(shape, heads, page, dtype, seed) -> None:
     """The model's path: plan once, attend with the step's own K/V (stored on the way; a
-    prompt with nothing cached reads them directly, causally) equals the oracle."""
+    prompt with nothing cached reads them directly, causally) equals the oracle, for the
+    torch backend and the cpu one (its decodes through the C kernel)."""
+    for backend in (torch_fast, cpu_backend):
+        attend_fresh_kv(backend, shape, heads, page, dtype, seed)
+
+
+def attend_fresh_kv(backend, shape, heads, page, dtype, seed) -> None:
     ctx_lens = [max(1, cached + new) for new, cached in shape]
     new_lens = [min(new, ctx) for (new, _), ctx in zip(shape, ctx_lens, strict=True)]
     batch = make_paged_batch(new_lens, ctx_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
@@ -96,9 +101,9 @@ def test_attend_with_the_steps_fresh_kv_matches_reference(shape, heads, page, dt
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = float("nan")  # attend must write them
     v_cache.view(-1, *v_cache.shape[2:])[slots] = float("nan")
-    step = torch_fast.plan(slots, batch.block_tables, batch.query_start_loc,
-                           batch.context_lens, page)
-    out = torch_fast.attend(batch.q, k_new, v_new, k_cache, v_cache, step, batch.scale)
+    step = backend.plan(slots, batch.block_tables, batch.query_start_loc, batch.context_lens,
+                        page, num_blocks=k_cache.shape[0])
+    out = backend.attend(batch.q, k_new, v_new, k_cache, v_cache, step, batch.scale)
     assert not out.isnan().any(), "read an unowned (poisoned) or unwritten slot"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
@@ -123,10 +128,10 @@ def test_plan_skips_unstored_slots() -> None:
 
 
 def test_decodes_attend_in_fp32_where_bf16_sdpa_is_slow() -> None:
-    """Half-precision decodes attend in fp32 on a CPU without bf16 matrix units, in the
-    model's dtype elsewhere; fp32 stays fp32 (the mixed-batch tests above check the values)."""
+    """Half-precision decodes attend in fp32 on a CPU without AMX, in the model's dtype
+    elsewhere; fp32 stays fp32 (the mixed-batch tests above check the values)."""
     cpu = torch.device("cpu")
     assert torch_fast.decode_dtype(torch.float32, cpu) == torch.float32
-    want = torch.bfloat16 if FAST_BF16 else torch.float32
+    want = torch.bfloat16 if AMX_BF16 else torch.float32
     assert torch_fast.decode_dtype(torch.bfloat16, cpu) == want
     assert torch_fast.decode_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16

@@ -1,0 +1,84 @@
+"""The CPU backend: torch_fast's layout and prefills, its decodes through fak's C kernel.
+
+A decode (one new token per request) reads its paged K and V where they lie, in float32
+arithmetic, one request at a time (`cpu_native.decode_attention`), so a decode's output does
+not depend on the rest of the batch. Prefills run torch_fast's SDPA paths. `select_backend`
+returns this module for "cpu", and for "auto" on a CPU where the kernels built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from native_engine.kernels import cpu_native, torch_fast
+from native_engine.kernels.torch_ref import store_kv as store_kv
+
+__all__ = ["StepPlan", "attend", "decode_dtype", "paged_attention", "plan", "store_kv"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """torch_fast's layout (planned without SDPA masks) and its decodes, checked once for
+    every layer of the step (None: no decodes)."""
+
+    layout: torch_fast.StepPlan
+    decodes: cpu_native.DecodeTables | None
+
+
+def kernels() -> cpu_native.CpuKernels:
+    loaded = cpu_native.load()
+    if loaded is None:
+        raise RuntimeError("the cpu attention backend needs fak's CPU kernels, which did not "
+                           "build here (see the log line 'cpu kernels: off'); use "
+                           "--attention-backend torch")
+    return loaded
+
+
+def decode_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a decode attends in: the kernel computes in float32."""
+    return torch.float32
+
+
+def plan(
+    slot_mapping: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    num_blocks: int | None = None,
+) -> StepPlan:
+    """torch_fast's plan without masks, its decode tables checked against `num_blocks` (the
+    caches' size; required when the step has decodes)."""
+    layout = torch_fast.plan(slot_mapping, block_tables, query_start_loc, context_lens,
+                             block_size, masks=False)
+    if layout.decode_blocks is None or layout.decode_ctx is None:
+        return StepPlan(layout, None)
+    if num_blocks is None:
+        raise ValueError("the cpu backend checks decode block ids against num_blocks")
+    return StepPlan(layout, cpu_native.DecodeTables.checked(
+        layout.decode_blocks, layout.decode_ctx, num_blocks, block_size))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+           k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepPlan,
+           scale: float) -> torch.Tensor:
+    """torch_fast.attend's contract, the decodes through the kernel."""
+    loaded, decodes = kernels(), step.decodes
+
+    def decode(rows: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+               _layout: torch_fast.StepPlan, sc: float) -> torch.Tensor:
+        assert decodes is not None
+        return cpu_native.decode_attention(loaded, rows.contiguous(), kc, vc, decodes, sc)
+
+    return torch_fast.attend_with(decode, q, k, v, k_cache, v_cache, step.layout, scale)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch_ref contract: the caches already hold every token's K and V."""
+    step = plan(None, block_tables, query_start_loc, context_lens, k_cache.shape[1],
+                k_cache.shape[0])
+    return attend(q, None, None, k_cache, v_cache, step, scale)

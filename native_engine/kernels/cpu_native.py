@@ -1,0 +1,215 @@
+"""fak's C kernels for the CPU (`csrc/cpu_kernels.c`): built once per machine, called via ctypes.
+
+Torch has no fast kernel for the two shapes a CPU decode step is made of. A decode's
+attention is one query row per request over its own paged context: SDPA's CPU kernels run
+it as hundreds of tiny problems (bf16, 64 requests of 160 tokens, SmolLM2 heads, 1 thread,
+the 2-core AVX512-BF16 EPYC: 18.3 ms a layer, fp32 upcast 24.6 ms, against 4.4 ms here, which
+reads the blocks where they lie instead of gathering them). A few-row linear is bound by the
+weight bytes, which oneDNN's and MKL's GEMVs read at well under the memory's bandwidth.
+
+The library is compiled by the machine's C compiler for the machine itself
+(`-O3 -march=native -fopenmp`) into a cache keyed by the source, the command and the CPU
+flags (`$FAK_KERNEL_CACHE`, else `$XDG_CACHE_HOME/fak/kernels`, else `~/.cache/fak/kernels`),
+so a second start loads it in milliseconds and another machine builds its own. Where no
+compiler, build or load works, `load()` says why in one log line and returns None; the
+callers then keep torch's kernels (an unknown capability is off). `FAK_CPU_KERNELS=0` turns
+the library off (for A/B runs against torch's kernels).
+
+The wrappers check every shape, dtype, contiguity and block id before a call: the C side
+trusts its arguments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from native_engine.kernels.cpu_features import CPU_FLAGS
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+ABI = 1
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+BUILD_TIMEOUT_S = 120.0
+MAX_HEAD_DIM, MAX_GROUP = 512, 16  # as csrc/cpu_kernels.c
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+log = logging.getLogger(__name__)
+
+_P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "decode_attention": [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _INT],
+    "gemv": [_P, _P, _I, _I, _I, _P, _INT],
+}
+_RESTYPES = {"gemv": ctypes.c_int}
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("FAK_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fak" / "kernels"
+
+
+def build(compiler: str, source: Path = SOURCE, directory: Path | None = None,
+          flags: tuple[str, ...] = COMPILE_FLAGS) -> Path:
+    """The library for this machine, compiled unless the cache has it; raises RuntimeError
+    with the compiler's words when it cannot be built. (Other `flags` build it for another
+    instruction set, as the tests do for the AVX2 and scalar paths.)"""
+    command = [compiler, *flags]
+    key = hashlib.sha256(source.read_bytes() + "\0".join(command).encode()
+                         + ",".join(sorted(CPU_FLAGS)).encode()).hexdigest()[:20]
+    directory = directory or cache_dir()
+    target = directory / f"fak-cpu-kernels-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Concurrent builders (several engines starting at once) each write their own file;
+    # the rename is atomic, so a reader sees a whole library or none.
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([*command, "-o", tmp, str(source), "-lm"], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded library's entry points by dtype."""
+
+    path: Path
+    functions: dict[str, Callable[..., Any]]
+
+    def fn(self, name: str, dtype: torch.dtype) -> Callable[..., Any]:
+        return self.functions[f"{name}_{SUFFIX[dtype]}"]
+
+
+def open_library(path: Path) -> CpuKernels:
+    lib = ctypes.CDLL(str(path))
+    lib.fak_kernels_abi.restype = ctypes.c_int
+    if lib.fak_kernels_abi() != ABI:
+        raise RuntimeError(f"{path} has ABI {lib.fak_kernels_abi()}, expected {ABI}")
+    functions = {}
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in SUFFIX.values():
+            fn = getattr(lib, f"fak_{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
+            functions[f"{name}_{suffix}"] = fn
+    return CpuKernels(path, functions)
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels for this machine, or None (the reason logged once)."""
+    if os.environ.get("FAK_CPU_KERNELS", "1") == "0":
+        log.info("cpu kernels: off (FAK_CPU_KERNELS=0)")
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        log.warning("cpu kernels: off, no C compiler (gcc or $CC) on PATH; torch's kernels run")
+        return None
+    try:
+        kernels = open_library(build(compiler))
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        log.warning("cpu kernels: off, %s; torch's kernels run", exc)
+        return None
+    log.info("cpu kernels: %s", kernels.path)
+    return kernels
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"cpu kernel argument: {what}")
+
+
+@dataclass(frozen=True)
+class DecodeTables:
+    """One step's decodes, checked once for every layer: request r's positions p < ctx[r]
+    lie in block tables[r, p // block_size], each block id below num_blocks."""
+
+    tables: torch.Tensor  # int64 [R, W], contiguous
+    ctx: torch.Tensor  # int64 [R], contiguous, each in [1, W * block_size]
+    longest: int
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def checked(cls, tables: torch.Tensor, ctx: torch.Tensor, num_blocks: int,
+                block_size: int) -> DecodeTables:
+        tables, ctx = tables.contiguous(), ctx.contiguous()
+        _check(tables.dtype == ctx.dtype == torch.int64, "int64 tables and lengths")
+        _check(tables.dim() == 2 and ctx.shape == (tables.shape[0],) and tables.shape[0] > 0,
+               "table and length shapes")
+        longest = int(ctx.max())
+        _check(int(ctx.min()) >= 1 and longest <= tables.shape[1] * block_size,
+               "context lengths")
+        used = tables[:, : -(-longest // block_size)]
+        _check(int(used.min()) >= 0 and int(used.max()) < num_blocks, "block ids")
+        return cls(tables, ctx, longest, num_blocks, block_size)
+
+
+def decode_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, decodes: DecodeTables, scale: float) -> torch.Tensor:
+    """One query row per request over its paged context: q [R, Hq, D] → [R, Hq, D].
+
+    k_cache, v_cache [NB, BS, Hkv, D] in q's dtype, of the shape `decodes` was checked for.
+    Scores, softmax and the weighted sum are float32, each request on its own.
+    """
+    num_reqs, hq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    dtype = q.dtype
+    _check(dtype in SUFFIX and k_cache.dtype == v_cache.dtype == dtype, "dtypes")
+    _check(q.device.type == k_cache.device.type == v_cache.device.type == "cpu", "cpu tensors")
+    _check(k_cache.shape == v_cache.shape and k_cache.shape[3] == d
+           and (nb, bs) == (decodes.num_blocks, decodes.block_size), "cache shapes")
+    _check(num_reqs == decodes.tables.shape[0], "one query row per request")
+    _check(hq % hkv == 0 and hq // hkv <= MAX_GROUP and d <= MAX_HEAD_DIM, "head layout")
+    _check(q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous(),
+           "contiguous q and caches")
+    scratch = torch.empty(num_reqs, hq, decodes.longest, dtype=torch.float32)
+    out = torch.empty_like(q)
+    tables = decodes.tables
+    kernels.fn("decode_attention", dtype)(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], decodes.ctx.data_ptr(), num_reqs, hq, hkv, d, bs, decodes.longest,
+        scale, scratch.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, in] @ weight [out, in].T in weight's dtype (meant for a few rows M)."""
+    rows, width = x.shape
+    dtype = weight.dtype
+    _check(dtype in SUFFIX and x.dtype == dtype, "dtypes")
+    _check(weight.dim() == 2 and weight.shape[1] == width, "shapes")
+    _check(x.is_contiguous() and weight.is_contiguous(), "contiguous")
+    _check(x.device.type == weight.device.type == "cpu", "cpu tensors")
+    out = torch.empty(rows, weight.shape[0], dtype=dtype)
+    if rows == 0:
+        return out
+    status = kernels.fn("gemv", dtype)(x.data_ptr(), weight.data_ptr(), rows, width,
+                                       weight.shape[0], out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("cpu kernel gemv: no memory for the widened rows")
+    return out

@@ -1,0 +1,347 @@
+/* fak's CPU kernels: the decode attention over the paged KV cache and the few-row linear
+ * (GEMV), for bf16 and float32 data. Built at run time for the machine it runs on
+ * (native_engine/kernels/cpu_native.py: -O3 -march=native -fopenmp) and called through ctypes
+ * with the tensors' data pointers; the Python side checks shapes, dtypes, contiguity and
+ * every block id before a call, so nothing here bounds-checks.
+ *
+ * Numerics: bf16 products are exact in float32 (AVX512-BF16's dot-product instruction, or
+ * the values widened by a 16-bit shift), sums are float32, and each result is rounded once
+ * to its output dtype (round to nearest even), as torch's bf16 kernels accumulate. Every
+ * request's rows are computed on their own in a fixed order, so a result does not depend on
+ * what else is in the batch.
+ *
+ * Threads: OpenMP over requests x KV heads (attention) or output rows (linear). Loaded after
+ * torch, the library binds to the libgomp torch already loaded (one soname): one pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_HEAD_DIM 512
+#define MAX_GROUP 16
+
+INLINE float bf16_to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+INLINE float load_f32(const float *p) { return *p; }
+INLINE float load_bf16(const bf16 *p) { return bf16_to_f32(*p); }
+INLINE void put_f32(float *p, float v) { *p = v; }
+INLINE void put_bf16(bf16 *p, float v) { *p = f32_to_bf16(v); }
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vf;
+INLINE vf vzero(void) { return _mm512_setzero_ps(); }
+INLINE vf vset1(float a) { return _mm512_set1_ps(a); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+INLINE vf vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vf vload_bf16(const bf16 *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+INLINE void vstore(float *p, vf a) { _mm512_storeu_ps(p, a); }
+#elif defined(__AVX2__)
+#define LANES 8
+typedef __m256 vf;
+INLINE vf vzero(void) { return _mm256_setzero_ps(); }
+INLINE vf vset1(float a) { return _mm256_set1_ps(a); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+INLINE vf vload_f32(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vf vload_bf16(const bf16 *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+INLINE void vstore(float *p, vf a) { _mm256_storeu_ps(p, a); }
+#else
+#define LANES 1
+typedef float vf;
+INLINE vf vzero(void) { return 0.0f; }
+INLINE vf vset1(float a) { return a; }
+INLINE vf vfma(vf a, vf b, vf c) { return a * b + c; }
+INLINE float vsum(vf a) { return a; }
+INLINE vf vload_f32(const float *p) { return *p; }
+INLINE vf vload_bf16(const bf16 *p) { return bf16_to_f32(*p); }
+INLINE void vstore(float *p, vf a) { *p = a; }
+#endif
+
+/* e^x for x <= 0 (softmax weights), vectorised: Cephes' expf polynomial after reducing x
+ * by a whole number of ln 2 (relative error about 1e-7; below -87.3 the result is about
+ * 1e-38 instead of 0, which a softmax cannot tell apart). */
+#if defined(__AVX512F__)
+INLINE vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+INLINE float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+INLINE vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF); }
+INLINE vf vpow2(vf n) { /* 2^n for whole n in [-126, 127] */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+#elif defined(__AVX2__)
+INLINE vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+INLINE float vhmax(vf a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INLINE vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+INLINE vf vfloor(vf a) { return _mm256_floor_ps(a); }
+INLINE vf vpow2(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+#else
+INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
+INLINE float vhmax(vf a) { return a; }
+INLINE vf vmul(vf a, vf b) { return a * b; }
+INLINE vf vadd(vf a, vf b) { return a + b; }
+INLINE vf vfloor(vf a) { return floorf(a); }
+INLINE vf vpow2(vf n) { return ldexpf(1.0f, (int)n); }
+#endif
+
+INLINE vf vexp(vf x) {
+    x = vmax(x, vset1(-87.3f));
+    const vf n = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+    x = vfma(n, vset1(-0.693359375f), x);
+    x = vfma(n, vset1(2.12194440e-4f), x);
+    vf y = vset1(1.9875691500e-4f);
+    y = vfma(y, x, vset1(1.3981999507e-3f));
+    y = vfma(y, x, vset1(8.3334519073e-3f));
+    y = vfma(y, x, vset1(4.1665795894e-2f));
+    y = vfma(y, x, vset1(1.6666665459e-1f));
+    y = vfma(y, x, vset1(5.0000001201e-1f));
+    y = vfma(y, vmul(x, x), vadd(x, vset1(1.0f)));
+    return vmul(y, vpow2(n));
+}
+
+/* s[0..n) = softmax(s[0..n)), n >= 1: the weights of one query row, summed in a fixed
+ * order that depends on n alone. */
+INLINE void softmax_row(float *s, int64_t n) {
+    int64_t i = 0;
+    vf vm = vset1(-INFINITY);
+    for (; i + LANES <= n; i += LANES) vm = vmax(vm, vload_f32(s + i));
+    float m = vhmax(vm);
+    for (; i < n; i++) m = s[i] > m ? s[i] : m;
+    vf vsum_ = vzero(), vmx = vset1(-m);
+    for (i = 0; i + LANES <= n; i += LANES) {
+        vf e = vexp(vadd(vload_f32(s + i), vmx));
+        vstore(s + i, e);
+        vsum_ = vadd(vsum_, e);
+    }
+    float total = vsum(vsum_);
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        total += s[i];
+    }
+    const float inv = 1.0f / total;
+    const vf vinv = vset1(inv);
+    for (i = 0; i + LANES <= n; i += LANES) vstore(s + i, vmul(vload_f32(s + i), vinv));
+    for (; i < n; i++) s[i] *= inv;
+}
+
+/* ---- dot products of `n` elements, vectorised over whole lanes, the rest scalar ---- */
+
+#define DEFINE_DOT(NAME, TA, TB, LOADA, LOADB, SCALARA, SCALARB)                               \
+    INLINE float NAME(const TA *a, const TB *b, int64_t n) {                                   \
+        vf acc = vzero();                                                                      \
+        int64_t i = 0;                                                                         \
+        for (; i + LANES <= n; i += LANES) acc = vfma(LOADA(a + i), LOADB(b + i), acc);        \
+        float s = vsum(acc);                                                                   \
+        for (; i < n; i++) s += SCALARA(a + i) * SCALARB(b + i);                               \
+        return s;                                                                              \
+    }
+DEFINE_DOT(dot_f32_f32, float, float, vload_f32, vload_f32, load_f32, load_f32)
+DEFINE_DOT(dot_f32_bf16, float, bf16, vload_f32, vload_bf16, load_f32, load_bf16)
+
+#if defined(__AVX512BF16__)
+/* bf16 . bf16 with AVX512-BF16's dot-product instruction, two products per lane. */
+INLINE float dot_bf16_bf16(const bf16 *a, const bf16 *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i),
+                               (__m512bh)_mm512_loadu_si512(b + i));
+    if (i < n) {
+        __mmask32 m = (__mmask32)((1ull << (n - i)) - 1);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, a + i),
+                               (__m512bh)_mm512_maskz_loadu_epi16(m, b + i));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#define HAVE_DOT_BF16 1
+#endif
+
+/* acc[0..n) += a * x[0..n) */
+#define DEFINE_AXPY(NAME, T, LOAD, SCALAR)                                                     \
+    INLINE void NAME(float *acc, float a, const T *x, int64_t n) {                             \
+        vf va = vset1(a);                                                                      \
+        int64_t i = 0;                                                                         \
+        for (; i + LANES <= n; i += LANES) vstore(acc + i, vfma(va, LOAD(x + i), vload_f32(acc + i))); \
+        for (; i < n; i++) acc[i] += a * SCALAR(x + i);                                        \
+    }
+DEFINE_AXPY(axpy_f32, float, vload_f32, load_f32)
+DEFINE_AXPY(axpy_bf16, bf16, vload_bf16, load_bf16)
+
+/* ---- decode attention: one query row per request over its paged context ----
+ * q [R, Hq, D]; caches [NB, BS, Hkv, D]; tables [R, table_stride] block ids; ctx [R].
+ * Query head hq reads KV head hq / G (G = Hq / Hkv). */
+
+/* Scores of KV head h of request r: out[j * lpad + p] = scale * q[h*G + j] . K[p], p < n. */
+#define DEFINE_SCORES_RH(NAME, T, DOT)                                                         \
+    INLINE void NAME(const T *q, const T *k_cache, const int64_t *table, int64_t n,            \
+                     int64_t hkv, int64_t h, int64_t d, int64_t bs, int64_t g, float scale,    \
+                     float *out, int64_t lpad) {                                               \
+        for (int64_t start = 0; start < n; start += bs) {                                      \
+            const T *row = k_cache + (table[start / bs] * bs * hkv + h) * d;                   \
+            const int64_t stop = start + bs < n ? start + bs : n;                              \
+            for (int64_t p = start; p < stop; p++, row += hkv * d)                             \
+                for (int64_t j = 0; j < g; j++) out[j * lpad + p] = scale * DOT(q + j * d, row, d); \
+        }                                                                                      \
+    }
+
+INLINE float dot_f32_same(const float *a, const float *b, int64_t n) { return dot_f32_f32(a, b, n); }
+#if defined(HAVE_DOT_BF16)
+INLINE float dot_bf16_same(const bf16 *a, const bf16 *b, int64_t n) { return dot_bf16_bf16(a, b, n); }
+#else
+INLINE float dot_bf16_same(const bf16 *a, const bf16 *b, int64_t n) {
+    float qa[MAX_HEAD_DIM];
+    for (int64_t i = 0; i < n; i++) qa[i] = bf16_to_f32(a[i]);
+    return dot_f32_bf16(qa, b, n);
+}
+#endif
+DEFINE_SCORES_RH(scores_rh_f32, float, dot_f32_same)
+DEFINE_SCORES_RH(scores_rh_bf16, bf16, dot_bf16_same)
+
+/* Weighted values of KV head h of request r: out[h*G + j] = sum_p probs[j * lpad + p] V[p]. */
+#define DEFINE_VALUES_RH(NAME, T, AXPY, PUT)                                                   \
+    INLINE void NAME(const float *probs, const T *v_cache, const int64_t *table, int64_t n,    \
+                     int64_t hkv, int64_t h, int64_t d, int64_t bs, int64_t g, int64_t lpad,   \
+                     T *out) {                                                                 \
+        float acc[MAX_GROUP * MAX_HEAD_DIM];                                                   \
+        memset(acc, 0, (size_t)(g * d) * sizeof(float));                                       \
+        for (int64_t start = 0; start < n; start += bs) {                                      \
+            const T *row = v_cache + (table[start / bs] * bs * hkv + h) * d;                   \
+            const int64_t stop = start + bs < n ? start + bs : n;                              \
+            for (int64_t p = start; p < stop; p++, row += hkv * d)                             \
+                for (int64_t j = 0; j < g; j++) AXPY(acc + j * d, probs[j * lpad + p], row, d); \
+        }                                                                                      \
+        for (int64_t i = 0; i < g * d; i++) PUT(out + i, acc[i]);                              \
+    }
+DEFINE_VALUES_RH(values_rh_f32, float, axpy_f32, put_f32)
+DEFINE_VALUES_RH(values_rh_bf16, bf16, axpy_bf16, put_bf16)
+
+/* The (d, g) of common models get their own compiled copy (constants unroll the loops and
+ * keep the accumulators in registers); others take the general one. */
+#define DISPATCH_DG(CALL)                                                                      \
+    if (d == 64 && g == 3) { CALL(64, 3); }                                                    \
+    else if (d == 64 && g == 4) { CALL(64, 4); }                                               \
+    else if (d == 128 && g == 4) { CALL(128, 4); }                                             \
+    else if (d == 128 && g == 8) { CALL(128, 8); }                                             \
+    else { CALL(d, g); }
+
+/* The whole attention of one decode row per request: scores (scratch [R, Hq, lpad], lpad
+ * >= every ctx), their softmax, the weighted values into out [R, Hq, D]. */
+#define DEFINE_DECODE(SUFFIX, T)                                                               \
+    void fak_decode_attention_##SUFFIX(const T *q, const T *k_cache, const T *v_cache,         \
+                                       const int64_t *tables, int64_t table_stride,            \
+                                       const int64_t *ctx, int64_t num_reqs, int64_t hq,       \
+                                       int64_t hkv, int64_t d, int64_t bs, int64_t lpad,       \
+                                       float scale, float *scratch, T *out, int nthreads) {    \
+        const int64_t g = hq / hkv;                                                            \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)") \
+        for (int64_t r = 0; r < num_reqs; r++)                                                 \
+            for (int64_t h = 0; h < hkv; h++) {                                                \
+                const T *qh = q + (r * hq + h * g) * d;                                        \
+                float *pr = scratch + (r * hq + h * g) * lpad;                                 \
+                T *oh = out + (r * hq + h * g) * d;                                            \
+                const int64_t *table = tables + r * table_stride;                              \
+                DISPATCH_DG(SCORES_CALL_##SUFFIX)                                              \
+                for (int64_t j = 0; j < g; j++) softmax_row(pr + j * lpad, ctx[r]);            \
+                DISPATCH_DG(VALUES_CALL_##SUFFIX)                                              \
+            }                                                                                  \
+    }
+
+#define SCORES_CALL_f32(D, G) scores_rh_f32(qh, k_cache, table, ctx[r], hkv, h, D, bs, G, scale, pr, lpad)
+#define SCORES_CALL_bf16(D, G) scores_rh_bf16(qh, k_cache, table, ctx[r], hkv, h, D, bs, G, scale, pr, lpad)
+#define VALUES_CALL_f32(D, G) values_rh_f32(pr, v_cache, table, ctx[r], hkv, h, D, bs, G, lpad, oh)
+#define VALUES_CALL_bf16(D, G) values_rh_bf16(pr, v_cache, table, ctx[r], hkv, h, D, bs, G, lpad, oh)
+DEFINE_DECODE(f32, float)
+DEFINE_DECODE(bf16, bf16)
+
+/* ---- few-row linear: y[m, o] = x[m] . W[o], W [out, in], x [rows, in] ----
+ * Four weight rows at a time, each read from memory once for all rows of x (at a few rows
+ * a linear is bound by the weight bytes); y [rows, out] in W's dtype. */
+
+#define GEMV_BLOCK 4
+#define DEFINE_GEMV(SUFFIX, T, XT, DOT, PUT)                                                   \
+    int fak_gemv_##SUFFIX(const T *x, const T *w, int64_t rows, int64_t in, int64_t out,      \
+                           T *y, int nthreads) {                                               \
+        XT *xw = NULL;                                                                         \
+        const XT *xs = as_dot_input(x, rows * in, &xw);                                        \
+        if (!xs) return -1;                                                                    \
+        const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;                            \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)")   \
+        for (int64_t b = 0; b < blocks; b++) {                                                 \
+            const int64_t lo = b * GEMV_BLOCK;                                                 \
+            const int64_t hi = lo + GEMV_BLOCK < out ? lo + GEMV_BLOCK : out;                  \
+            for (int64_t m = 0; m < rows; m++)                                                 \
+                for (int64_t o = lo; o < hi; o++) {                                            \
+                    PUT(y + m * out + o, DOT(xs + m * in, w + o * in, in));                    \
+                }                                                                              \
+        }                                                                                      \
+        free(xw);                                                                              \
+        return 0;                                                                              \
+    }
+
+/* x as the dot product takes it: as it is, or (bf16 without AVX512-BF16) widened once into
+ * *owned (NULL when that allocation fails: the call then returns -1). */
+INLINE const float *as_dot_input_f32(const float *x, int64_t n, float **owned) {
+    (void)n; (void)owned;
+    return x;
+}
+#define as_dot_input as_dot_input_f32
+DEFINE_GEMV(f32, float, float, dot_f32_f32, put_f32)
+#undef as_dot_input
+#if defined(HAVE_DOT_BF16)
+INLINE const bf16 *as_dot_input_bf16(const bf16 *x, int64_t n, bf16 **owned) {
+    (void)n; (void)owned;
+    return x;
+}
+#define as_dot_input as_dot_input_bf16
+DEFINE_GEMV(bf16, bf16, bf16, dot_bf16_bf16, put_bf16)
+#else
+INLINE const float *as_dot_input_bf16(const bf16 *x, int64_t n, float **owned) {
+    *owned = malloc((size_t)n * sizeof(float));
+    if (*owned) for (int64_t i = 0; i < n; i++) (*owned)[i] = bf16_to_f32(x[i]);
+    return *owned;
+}
+#define as_dot_input as_dot_input_bf16
+DEFINE_GEMV(bf16, bf16, float, dot_f32_bf16, put_bf16)
+#endif
+#undef as_dot_input
+
+int fak_kernels_abi(void) { return 1; }
