@@ -7,7 +7,8 @@ alive every `keepalive_s`; the first comment opens the stream. Once OPEN, every 
 an engine error, a broken upstream, a bug — leaves as one SSE error event and `[DONE]`, never
 as a second status line. A client that goes away cancels the handler: the pending read of
 the engine iterator is cancelled and awaited before the iterator is closed (which aborts the
-engine request), so the iterator is never closed while it runs.
+engine request), so the iterator is never closed while it runs. A write that meets the
+closing transport first ends the stream the same way, as a client disconnect.
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ class SSEStream:
             await self.response.write_eof()
         return self.response
 
+    def abandon(self) -> web.StreamResponse:
+        """The answer to a client that left: the open stream as it is (aiohttp's own ending
+        of it meets the closed transport quietly), or a bare error it will never read."""
+        return self.response if self.response is not None else error_response(internal_error())
+
     async def close(self) -> web.StreamResponse:
         """End the stream. A client may leave once it has `[DONE]`, before the end of the
         body reaches it: everything was sent, so that is a finished request."""
@@ -141,9 +147,14 @@ async def relay_stream(request: web.Request, relay: Relay, engine_request: Engin
     except APIError as err:
         relay.finish("engine_error")
         return await stream.fail(err)
-    except (asyncio.CancelledError, ConnectionError):
+    except asyncio.CancelledError:
         relay.finish("client_disconnect")
         raise
+    except ConnectionError:
+        # A write met the closing transport before aiohttp cancelled the handler: the client
+        # is gone. Nothing more can reach it, and this is no bug to log.
+        relay.finish("client_disconnect")
+        return stream.abandon()
     except Exception:
         log.exception("stream relay failed for tenant %s", relay.tenant)
         relay.finish("error")

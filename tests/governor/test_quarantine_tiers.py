@@ -150,7 +150,9 @@ def test_span_in_all_three_tiers_is_verified_and_gone_everywhere(stack: Stack) -
 
 def test_a_tier_that_cannot_be_cleared_makes_the_record_failed(stack: Stack) -> None:
     poisoned = words(48)
-    assert stack.complete("acme", poisoned) == 0
+    # Fresh: not a block of it cached. The radix cache reuses tokens, so its first letter or
+    # two may match one of acme's earlier prompts (cached 2 in one CI run).
+    assert stack.complete("acme", poisoned) < BS
     stack.evict_all()
     for _ in range(2):  # newer blocks push the span out of host RAM, onto disk
         stack.complete("beta", words(48))
