@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from native_engine.kernels import cpu_native
 from native_engine.request import SamplingParams
 
 LOGPROB_FLOOR = -9999.0
@@ -60,14 +61,32 @@ def sample_row(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def _greedy_fast(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int] | None:
+    """The tokens of an all-greedy batch without logprobs, in one pass over the logits in
+    their own dtype (fak's C kernel, on a CPU): the same first-index argmax. None where the
+    kernel is missing or a row holds a NaN or an infinity: the general path decides."""
+    if logits.device.type != "cpu" or logits.dtype not in cpu_native.SUFFIX \
+            or not all(p.greedy and p.logprobs is None for p in params):
+        return None
+    kernels = cpu_native.load()
+    if kernels is None:
+        return None
+    tokens = cpu_native.argmax(kernels, logits.contiguous())
+    return None if bool((tokens < 0).any()) else tokens.tolist()
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> list[Sample]:
-    """One token per row of `logits` [R, vocab] (float32, on CPU or device)."""
+    """One token per row of `logits` [R, vocab] (any float dtype, on CPU or device; sampled
+    in float32)."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError("need one params and generator per logits row")
+    greedy = _greedy_fast(logits, params)
+    if greedy is not None:
+        return [Sample(token) for token in greedy]
     logits = logits.float().cpu()
     logits = logits.masked_fill(logits.isnan(), float("-inf"))
     if all(p.greedy for p in params):

@@ -50,6 +50,10 @@ _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "decode_attention": [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _INT],
     "gemv": [_P, _P, _I, _I, _I, _P, _INT],
+    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _INT],
+    "silu_mul": [_P, _P, _I, _I, _INT],
+    "rope": [_P, _P, _P, _P, _I, _I, _I, _I, _INT],
+    "argmax": [_P, _I, _I, _P, _INT],
 }
 _RESTYPES = {"gemv": ctypes.c_int}
 
@@ -213,3 +217,83 @@ def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     if status != 0:
         raise MemoryError("cpu kernel gemv: no memory for the widened rows")
     return out
+
+
+def _rows(x: torch.Tensor, width: int, what: str) -> int:
+    _check(x.dtype in SUFFIX and x.device.type == "cpu" and x.is_contiguous()
+           and x.dim() == 2 and x.shape[1] == width, what)
+    return int(x.shape[0])
+
+
+def add_rms_norm(kernels: CpuKernels, h: torch.Tensor, delta: torch.Tensor | None,
+                 weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`h += delta` in place (rounded to h's dtype; none when delta is None), then RMSNorm of
+    h scaled by `weight` [n], computed in float32 and rounded once. h [rows, n]."""
+    n = weight.shape[0]
+    rows = _rows(h, n, "h [rows, n] contiguous")
+    _check(weight.dtype == h.dtype and weight.is_contiguous() and weight.dim() == 1, "weight")
+    if delta is not None:
+        _check(_rows(delta, n, "delta [rows, n] contiguous") == rows
+               and delta.dtype == h.dtype, "delta")
+    out = torch.empty_like(h)
+    kernels.fn("add_rms_norm", h.dtype)(
+        h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), rows, n, eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(kernels: CpuKernels, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2n] = [gate | up], in float32, rounded once."""
+    _check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up [rows, 2n]")
+    rows = _rows(gate_up, gate_up.shape[1], "gate_up contiguous")
+    n = gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype)
+    kernels.fn("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, n,
+                                          torch.get_num_threads())
+    return out
+
+
+@dataclass(frozen=True)
+class Positions:
+    """One step's token positions, checked once for every layer: int64 [T], each a row of
+    RoPE tables of `table_rows` rows."""
+
+    positions: torch.Tensor
+    table_rows: int
+
+    @classmethod
+    def checked(cls, positions: torch.Tensor, table_rows: int) -> Positions:
+        positions = positions.contiguous()
+        _check(positions.dtype == torch.int64 and positions.dim() == 1, "int64 positions")
+        _check(positions.numel() == 0 or (int(positions.min()) >= 0
+                                          and int(positions.max()) < table_rows), "positions")
+        return cls(positions, table_rows)
+
+
+def rope_(kernels: CpuKernels, x: torch.Tensor, positions: Positions, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on x [T, H, D] (each token's H heads contiguous; rows may be
+    strided, as q and k heads inside a fused qkv output), with float32 tables cos, sin
+    [positions.table_rows, D / 2], computed in float32 and rounded once."""
+    tokens, heads, d = x.shape
+    _check(x.dtype in SUFFIX and x.device.type == "cpu" and d % 2 == 0
+           and x.stride(2) == 1 and x.stride(1) == d, "x [T, H, D], heads contiguous")
+    _check(positions.positions.shape == (tokens,), "one position per token")
+    _check(cos.dtype == sin.dtype == torch.float32
+           and cos.shape == sin.shape == (positions.table_rows, d // 2)
+           and cos.is_contiguous() and sin.is_contiguous(), "tables")
+    if tokens:
+        kernels.fn("rope", x.dtype)(x.data_ptr(), positions.positions.data_ptr(),
+                                    cos.data_ptr(), sin.data_ptr(), tokens, heads, d,
+                                    x.stride(0), torch.get_num_threads())
+
+
+def argmax(kernels: CpuKernels, x: torch.Tensor) -> torch.Tensor:
+    """Per row of x [rows, n] (n >= 1) the first index of its largest value, as int64; -1 for
+    a row holding a NaN or an infinity."""
+    rows = _rows(x, x.shape[1] if x.dim() == 2 else -1, "x [rows, n] contiguous")
+    _check(x.shape[1] >= 1, "n >= 1")
+    index = torch.empty(rows, dtype=torch.int64)
+    kernels.fn("argmax", x.dtype)(x.data_ptr(), rows, x.shape[1], index.data_ptr(),
+                                  torch.get_num_threads())
+    return index

@@ -8,6 +8,7 @@ Attention goes through a kernel module with the `store_kv` / `paged_attention` c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from native_engine.kernels import cpu_native
 from native_engine.kernels.linear import Linear, choose_linear
 
 
@@ -176,6 +178,13 @@ class LlamaModel:
         cos, sin = rope_tables(config)
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
+        # fak's C kernels fuse the elementwise steps on a CPU (float32 math, one rounding):
+        # RoPE in place from float32 half-width tables, residual add + RMSNorm, SiLU * up.
+        self.native = (cpu_native.load() if device.type == "cpu" and dtype in cpu_native.SUFFIX
+                       else None)
+        half = config.head_dim // 2
+        self.rope_cos_half = cos[:, :half].contiguous()
+        self.rope_sin_half = sin[:, half:].contiguous()
 
     def _load_layer(self, w: Any, i: int) -> _Layer:
         p = f"model.layers.{i}."
@@ -200,28 +209,62 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden]; stores every token's K/V on the way."""
+        """Final-normed hidden states [T, hidden]; stores every token's K/V on the way.
+
+        Each layer adds its attention and MLP outputs to the residual stream `h` in place,
+        and the norm after each add is fused with it (`_add_norm`)."""
         cfg = self.config
         t = input_ids.shape[0]
         step = self.kernels.plan(attn.slot_mapping, attn.block_tables, attn.query_start_loc,
                                  attn.context_lens, kv_caches[0][0].shape[1],
                                  num_blocks=kv_caches[0][0].shape[0])
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        rope = self._rope_step(positions)
         num_qk = cfg.num_heads + cfg.num_kv_heads
         h = self.embed[input_ids]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+        x = self._add_norm(h, None, self.layers[0].input_norm)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm, (k_cache, v_cache) in zip(self.layers, norms, kv_caches,
+                                                        strict=True):
             qkv = layer.qkv(x).view(t, num_qk + cfg.num_kv_heads, cfg.head_dim)
-            qk = apply_rope(qkv[:, :num_qk], cos, sin)  # q and k heads in one pass
+            qk = rope(qkv[:, :num_qk])  # q and k heads in one pass
             o = self.kernels.attend(qk[:, : cfg.num_heads], qk[:, cfg.num_heads :],
                                     qkv[:, num_qk:], k_cache, v_cache, step, self.scale)
-            h = h + layer.o_proj(o.reshape(t, -1))
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+            x = self._add_norm(h, layer.o_proj(o.reshape(t, -1)), layer.post_norm)
+            x = self._add_norm(h, layer.down(self._swiglu(layer.gate_up(x))), next_norm)
+        return x
+
+    def _rope_step(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """RoPE at this step's positions, for q and k heads [T, H, D] (checked once)."""
+        if self.native is not None:
+            native = self.native
+            checked = cpu_native.Positions.checked(positions, self.rope_cos_half.shape[0])
+
+            def rope_native(x: torch.Tensor) -> torch.Tensor:
+                cpu_native.rope_(native, x, checked, self.rope_cos_half, self.rope_sin_half)
+                return x
+
+            return rope_native
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        return lambda x: apply_rope(x, cos, sin)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> torch.Tensor:
+        """`h += delta` in place (when given), then RMSNorm(h) * weight."""
+        if self.native is not None:
+            return cpu_native.add_rms_norm(self.native, h, delta, weight,
+                                           self.config.rms_norm_eps)
+        if delta is not None:
+            h += delta
+        return rms_norm(h, weight, self.config.rms_norm_eps)
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return cpu_native.silu_mul(self.native, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [R, vocab] for the given hidden rows."""
-        return self.lm_head(hidden).float()
+        """Logits [R, vocab] for the given hidden rows, in the model's dtype (the sampler
+        widens them to float32 where it needs more than an argmax)."""
+        return self.lm_head(hidden)

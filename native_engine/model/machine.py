@@ -27,12 +27,16 @@ REPORTED_FLAGS = (*BF16_MATRIX_FLAGS, "avx512f", "avx2", "fma", "f16c")
 
 
 def default_num_threads() -> int:
-    """One core fewer than this process may use (at least one).
+    """`OMP_NUM_THREADS` where it is set (as torch and vLLM read it), else one core fewer
+    than this process may use (at least one).
 
     Torch's OpenMP threads spin-wait on each other; when another busy thread (the server's
     event loop, a neighbour process) takes a core, a 2-thread decode step on 2 cores ran
     ~16x slower than a 1-thread one in our measurement, so a core is left free.
     """
+    explicit = os.environ.get("OMP_NUM_THREADS", "")
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 

@@ -183,7 +183,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: RunnerBatch) -> torch.Tensor:
-        """Float32 logits [S, vocab] for the last scheduled token of each request in
+        """Logits [S, vocab] (the model's dtype) for the last scheduled token of each request in
         `batch.logits_rows` (all R requests when None); the LM head runs on those rows only."""
         batch.check(self.num_slots, self.max_model_len)
         dev = self.device

@@ -187,3 +187,84 @@ def test_without_a_compiler_torch_runs_and_says_why(tmp_path: Path) -> None:
                           text=True, check=True, cwd=root)
     assert done.stdout.strip() == "native_engine.kernels.torch_fast"
     assert "cpu kernels: off" in done.stderr and "torch's kernels run" in done.stderr
+
+
+def rounded_once(dtype: torch.dtype) -> float:
+    """The tolerance of a float32 result rounded once to `dtype`, against a float64 one."""
+    return 1e-5 if dtype == torch.float32 else 2 ** -8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (5, 64), (3, 37), (0, 16)])
+def test_add_rms_norm_matches_torch(variant: cpu_native.CpuKernels, dtype: torch.dtype,
+                                    rows: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows + n)
+    h = torch.randn(rows, n, generator=gen).to(dtype)
+    delta = torch.randn(rows, n, generator=gen).to(dtype)
+    weight = torch.randn(n, generator=gen).to(dtype)
+    summed = h + delta  # rounded to dtype, as the residual stream is
+    out = cpu_native.add_rms_norm(variant, h, delta, weight, 1e-5)
+    assert torch.equal(h, summed)  # added in place
+    want = F.rms_norm(summed.double(), (n,), weight.double(), 1e-5)
+    tol = rounded_once(dtype)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    alone = cpu_native.add_rms_norm(variant, h, None, weight, 1e-5)
+    assert torch.equal(alone, out) and torch.equal(h, summed)  # no delta: h untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (4, 40), (2, 7)])
+def test_silu_mul_matches_torch(variant: cpu_native.CpuKernels, dtype: torch.dtype,
+                                rows: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows * n)
+    gate_up = (torch.randn(rows, 2 * n, generator=gen) * 6).to(dtype)
+    gate_up[0, 0], gate_up[-1, n - 1] = -200.0, 200.0  # e^x clamped at both ends
+    out = cpu_native.silu_mul(variant, gate_up)
+    wide = gate_up.double()
+    want = F.silu(wide[:, :n]) * wide[:, n:]
+    tol = rounded_once(dtype)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 10])
+def test_rope_in_place_matches_the_models_rope(variant: cpu_native.CpuKernels,
+                                               dtype: torch.dtype, head_dim: int) -> None:
+    """On q and k heads inside a fused qkv row (strided), v heads left as they were."""
+    from native_engine.model.llama import apply_rope, rope_tables
+    from tests.native_engine.tiny_model import tiny_config
+
+    cfg = tiny_config()
+    cfg = type(cfg)(**{**cfg.to_dict(), "head_dim": head_dim})
+    cos, sin = rope_tables(cfg)
+    positions = torch.tensor([0, 1, 7, cfg.max_position_embeddings - 1])
+    qkv = torch.randn(4, 5, head_dim).to(dtype)  # 3 q/k heads, 2 v heads
+    want = apply_rope(qkv[:, :3].double(), cos[positions].double().unsqueeze(1),
+                      sin[positions].double().unsqueeze(1))
+    v = qkv[:, 3:].clone()
+    half = head_dim // 2
+    checked = cpu_native.Positions.checked(positions, cos.shape[0])
+    cpu_native.rope_(variant, qkv[:, :3], checked, cos[:, :half].contiguous(),
+                     sin[:, half:].contiguous())
+    tol = rounded_once(dtype) * 4
+    torch.testing.assert_close(qkv[:, :3].double(), want, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, 3:], v)
+    with pytest.raises(ValueError, match="positions"):
+        cpu_native.Positions.checked(torch.tensor([0, cos.shape[0]]), cos.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs_first_index_and_refuses_nan_and_inf(
+        variant: cpu_native.CpuKernels, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 1000, generator=gen).to(dtype)
+    x[1, 17] = x[1, 900] = 50.0  # a tie: the first index wins
+    x[2, :] = 3.0
+    x[3, 999] = 60.0  # in the scalar tail of a vector build
+    got = cpu_native.argmax(variant, x)
+    assert got[:4].tolist() == x[:4].float().argmax(-1).tolist() and got[1] == 17
+    assert got[2] == 0 and got[3] == 999
+    x[4, 3], x[5, 998] = float("nan"), float("inf")
+    assert cpu_native.argmax(variant, x)[4:].tolist() == [-1, -1]
+    assert cpu_native.argmax(variant, x[:3, :5].contiguous()).tolist() == \
+        x[:3, :5].float().argmax(-1).tolist()

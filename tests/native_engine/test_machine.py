@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -14,7 +15,12 @@ from native_engine.kernels.cpu_features import (
     has_amx_bf16,
     has_fast_bf16,
 )
-from native_engine.model.machine import ComputeChoice, auto_dtype, reported_flags
+from native_engine.model.machine import (
+    ComputeChoice,
+    auto_dtype,
+    default_num_threads,
+    reported_flags,
+)
 from native_engine.model.runner import ModelRunner, RunnerConfig
 from tests.native_engine.tiny_model import random_model
 
@@ -69,3 +75,11 @@ def test_runner_reports_its_choice_for_this_machine() -> None:
     assert f"dtype={choice.dtype}" in line and f"linear={choice.linear}" in line
     assert f"decode_attention_dtype={choice.decode_attention_dtype}" in line
     assert choice.labels()["cpu_flags"] == ",".join(choice.flags)
+
+
+def test_threads_follow_omp_num_threads_else_leave_a_core(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_num_threads() == 3
+    for unset in ("", "0", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert default_num_threads() == max(1, len(os.sched_getaffinity(0)) - 1)

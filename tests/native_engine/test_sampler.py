@@ -176,3 +176,21 @@ def test_sampler_never_fails_on_accepted_params(rows: list[list[float]], tempera
 def test_params_normalise() -> None:
     p = SamplingParams(stop="x", stop_token_ids=[1, 2], top_k=-1)
     assert p.stop == ("x",) and p.stop_token_ids == (1, 2) and p.top_k == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 5).flatmap(lambda n: st.integers(1, 40).flatmap(
+           lambda v: st.lists(st.lists(row_values, min_size=v, max_size=v), min_size=n,
+                              max_size=n))),
+       bf16=st.booleans())
+def test_greedy_batches_take_the_first_argmax_of_the_nan_masked_row(rows: list[list[float]],
+                                                                   bf16: bool) -> None:
+    """The all-greedy fast path (one pass in the logits' own dtype) and the general path give
+    the same tokens: the first index of each row's largest value, NaNs masked."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    if bf16:
+        logits = logits.bfloat16()
+    wide = logits.float()
+    want = wide.masked_fill(wide.isnan(), -INF).argmax(-1).tolist()
+    greedy = [SamplingParams(temperature=0)] * len(rows)
+    assert [s.token_id for s in sample(logits, greedy, [None] * len(rows))] == want

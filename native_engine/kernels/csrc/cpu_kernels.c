@@ -58,6 +58,15 @@ INLINE vf vload_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 INLINE void vstore(float *p, vf a) { _mm512_storeu_ps(p, a); }
+/* Round to nearest even, as f32_to_bf16 (a NaN stays a quiet NaN). */
+INLINE void vstore_bf16(bf16 *p, vf a) {
+    const __m512i u = _mm512_castps_si512(a);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q),
+                              _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
 #elif defined(__AVX2__)
 #define LANES 8
 typedef __m256 vf;
@@ -75,6 +84,14 @@ INLINE vf vload_bf16(const bf16 *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 INLINE void vstore(float *p, vf a) { _mm256_storeu_ps(p, a); }
+INLINE void vstore_bf16(bf16 *p, vf a) {
+    const __m256i u = _mm256_castps_si256(a);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
 #else
 #define LANES 1
 typedef float vf;
@@ -85,13 +102,17 @@ INLINE float vsum(vf a) { return a; }
 INLINE vf vload_f32(const float *p) { return *p; }
 INLINE vf vload_bf16(const bf16 *p) { return bf16_to_f32(*p); }
 INLINE void vstore(float *p, vf a) { *p = a; }
+INLINE void vstore_bf16(bf16 *p, vf a) { *p = f32_to_bf16(a); }
 #endif
 
-/* e^x for x <= 0 (softmax weights), vectorised: Cephes' expf polynomial after reducing x
- * by a whole number of ln 2 (relative error about 1e-7; below -87.3 the result is about
- * 1e-38 instead of 0, which a softmax cannot tell apart). */
+/* e^x, vectorised: Cephes' expf polynomial after reducing x by a whole number of ln 2
+ * (relative error about 1e-7); x is clamped to [-87.3, 88] (below, about 1e-38 instead of 0,
+ * which neither a softmax nor SiLU can tell apart; above, 1.7e38 instead of more). */
 #if defined(__AVX512F__)
 INLINE vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+INLINE vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INLINE vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 INLINE float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
 INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -102,6 +123,9 @@ INLINE vf vpow2(vf n) { /* 2^n for whole n in [-126, 127] */
 }
 #elif defined(__AVX2__)
 INLINE vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+INLINE vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+INLINE vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 INLINE float vhmax(vf a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -116,6 +140,9 @@ INLINE vf vpow2(vf n) {
 }
 #else
 INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
+INLINE vf vmin(vf a, vf b) { return a < b ? a : b; }
+INLINE vf vsub(vf a, vf b) { return a - b; }
+INLINE vf vdiv(vf a, vf b) { return a / b; }
 INLINE float vhmax(vf a) { return a; }
 INLINE vf vmul(vf a, vf b) { return a * b; }
 INLINE vf vadd(vf a, vf b) { return a + b; }
@@ -124,7 +151,7 @@ INLINE vf vpow2(vf n) { return ldexpf(1.0f, (int)n); }
 #endif
 
 INLINE vf vexp(vf x) {
-    x = vmax(x, vset1(-87.3f));
+    x = vmin(vmax(x, vset1(-87.3f)), vset1(88.0f));
     const vf n = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
     x = vfma(n, vset1(-0.693359375f), x);
     x = vfma(n, vset1(2.12194440e-4f), x);
@@ -343,5 +370,124 @@ INLINE const float *as_dot_input_bf16(const bf16 *x, int64_t n, float **owned) {
 DEFINE_GEMV(bf16, bf16, float, dot_f32_bf16, put_bf16)
 #endif
 #undef as_dot_input
+
+/* ---- the model's elementwise steps, fused: each reads and writes its rows once ---- */
+
+INLINE vf vload_as_f32(const float *p) { return vload_f32(p); }
+INLINE vf vload_as_bf16(const bf16 *p) { return vload_bf16(p); }
+INLINE void vput_f32(float *p, vf a) { vstore(p, a); }
+INLINE void vput_bf16(bf16 *p, vf a) { vstore_bf16(p, a); }
+INLINE vf vsilu(vf x) { return vdiv(x, vadd(vset1(1.0f), vexp(vmul(x, vset1(-1.0f))))); }
+
+#define DEFINE_ELEMENTWISE(SUFFIX, T, LOAD, PUT, VLOAD, VPUT)                                  \
+    /* h[r] += delta[r] (rounded to T; skipped when delta is NULL), then                        \
+     * out[r] = h[r] / sqrt(mean(h[r]^2) + eps) * w, in float32, rounded once. */              \
+    void fak_add_rms_norm_##SUFFIX(T *h, const T *delta, const T *w, T *out, int64_t rows,     \
+                                   int64_t n, float eps, int nthreads) {                       \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)")   \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            T *hr = h + r * n;                                                                 \
+            T *o = out + r * n;                                                                \
+            const T *dr = delta ? delta + r * n : NULL;                                        \
+            vf vss = vzero();                                                                  \
+            int64_t i = 0;                                                                     \
+            for (; i + LANES <= n; i += LANES) {                                               \
+                if (dr) VPUT(hr + i, vadd(VLOAD(hr + i), VLOAD(dr + i)));                      \
+                const vf v = VLOAD(hr + i);                                                    \
+                vss = vfma(v, v, vss);                                                         \
+            }                                                                                  \
+            float ss = vsum(vss);                                                              \
+            for (; i < n; i++) {                                                               \
+                if (dr) PUT(hr + i, LOAD(hr + i) + LOAD(dr + i));                              \
+                ss += LOAD(hr + i) * LOAD(hr + i);                                             \
+            }                                                                                  \
+            const float inv = 1.0f / sqrtf(ss / (float)n + eps);                               \
+            const vf vinv = vset1(inv);                                                        \
+            for (i = 0; i + LANES <= n; i += LANES)                                            \
+                VPUT(o + i, vmul(vmul(VLOAD(hr + i), vinv), VLOAD(w + i)));                    \
+            for (; i < n; i++) PUT(o + i, LOAD(hr + i) * inv * LOAD(w + i));                   \
+        }                                                                                      \
+    }                                                                                          \
+    /* out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], in float32, rounded once. */            \
+    void fak_silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t n,              \
+                               int nthreads) {                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)")   \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            const T *g = gate_up + r * 2 * n;                                                  \
+            T *o = out + r * n;                                                                \
+            int64_t i = 0;                                                                     \
+            for (; i + LANES <= n; i += LANES)                                                 \
+                VPUT(o + i, vmul(vsilu(VLOAD(g + i)), VLOAD(g + n + i)));                      \
+            for (; i < n; i++) {                                                               \
+                const float x = LOAD(g + i);                                                   \
+                PUT(o + i, x / (1.0f + expf(-x)) * LOAD(g + n + i));                           \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    /* Rotate-half RoPE in place on `heads` heads of each of `tokens` rows (row stride        \
+     * `stride` elements, heads of d contiguous from each row's start): x = x * cos +          \
+     * rotate_half(x) * sin, cos and sin the float32 tables [max_pos, d / 2] at each token's   \
+     * position, in float32, rounded once. */                                                  \
+    void fak_rope_##SUFFIX(T *x, const int64_t *positions, const float *cos, const float *sin, \
+                           int64_t tokens, int64_t heads, int64_t d, int64_t stride,           \
+                           int nthreads) {                                                     \
+        const int64_t half = d / 2;                                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)")   \
+        for (int64_t t = 0; t < tokens; t++) {                                                 \
+            const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;        \
+            for (int64_t h = 0; h < heads; h++) {                                              \
+                T *a = x + t * stride + h * d, *b = a + half;                                  \
+                int64_t i = 0;                                                                 \
+                for (; i + LANES <= half; i += LANES) {                                        \
+                    const vf va = VLOAD(a + i), vb = VLOAD(b + i);                             \
+                    const vf vc = vload_f32(c + i), vs = vload_f32(s + i);                     \
+                    VPUT(a + i, vfma(va, vc, vmul(vb, vmul(vs, vset1(-1.0f)))));               \
+                    VPUT(b + i, vfma(vb, vc, vmul(va, vs)));                                   \
+                }                                                                              \
+                for (; i < half; i++) {                                                        \
+                    const float va = LOAD(a + i), vb = LOAD(b + i);                            \
+                    PUT(a + i, va * c[i] - vb * s[i]);                                         \
+                    PUT(b + i, vb * c[i] + va * s[i]);                                         \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+DEFINE_ELEMENTWISE(f32, float, load_f32, put_f32, vload_as_f32, vput_f32)
+DEFINE_ELEMENTWISE(bf16, bf16, load_bf16, put_bf16, vload_as_bf16, vput_bf16)
+
+/* ---- greedy sampling: the first index of each row's largest value ---- */
+
+#define DEFINE_ARGMAX(SUFFIX, T, LOAD, VLOAD)                                                  \
+    /* index[r] = the first column holding row r's maximum; -1 where the row holds a NaN or  \
+     * an infinity (the caller then takes its own path). x [rows, n], n >= 1. */               \
+    void fak_argmax_##SUFFIX(const T *x, int64_t rows, int64_t n, int64_t *index,             \
+                             int nthreads) {                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)")   \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            const T *xr = x + r * n;                                                           \
+            vf vm = vset1(-INFINITY), vnan = vzero();                                          \
+            int64_t i = 0;                                                                     \
+            for (; i + LANES <= n; i += LANES) {                                               \
+                const vf v = VLOAD(xr + i);                                                    \
+                vm = vmax(vm, v);                                                              \
+                vnan = vadd(vnan, vsub(v, v)); /* 0, or NaN once a lane was NaN or inf */           \
+            }                                                                                  \
+            float m = vhmax(vm), nan = vsum(vnan);                                             \
+            for (; i < n; i++) {                                                               \
+                const float v = LOAD(xr + i);                                                  \
+                m = v > m ? v : m;                                                             \
+                nan += v - v;                                                                  \
+            }                                                                                  \
+            int64_t at = -1;                                                                   \
+            if (nan == 0.0f)                                                                   \
+                for (i = 0; i < n; i++)                                                        \
+                    if (LOAD(xr + i) == m) { at = i; break; }                                  \
+            index[r] = at;                                                                     \
+        }                                                                                      \
+    }
+
+DEFINE_ARGMAX(f32, float, load_f32, vload_f32)
+DEFINE_ARGMAX(bf16, bf16, load_bf16, vload_bf16)
 
 int fak_kernels_abi(void) { return 1; }
