@@ -1,9 +1,10 @@
-"""The CPU backend: torch_fast's layout and prefills, its decodes through fak's C kernel.
+"""The CPU backend: torch_fast's layout, its attention through fak's C kernels.
 
-A decode (one new token per request) reads its paged K and V where they lie, in float32
-arithmetic, one request at a time (`cpu_native.decode_attention`), so a decode's output does
-not depend on the rest of the batch. Prefills run torch_fast's SDPA paths. `select_backend`
-returns this module for "cpu", and for "auto" on a CPU where the kernels built.
+Decodes (one new token per request) and prefill chunks read their paged K and V where they
+lie (after the step's own are stored), in float32 arithmetic, one request at a time
+(`cpu_native.decode_attention`, `cpu_native.prefill_attention`), so a request's output does
+not depend on the rest of the batch. `select_backend` returns this module for "cpu", and for
+"auto" on a CPU where the kernels built.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ def plan(
     block_size: int,
     num_blocks: int | None = None,
 ) -> StepPlan:
-    """torch_fast's plan without masks, its decode tables checked against `num_blocks` (the
-    caches' size; required when the step has decodes)."""
+    """torch_fast's plan for kernels that read the caches, its decode tables checked against
+    `num_blocks` (the caches' size; required when the step has decodes)."""
     layout = torch_fast.plan(slot_mapping, block_tables, query_start_loc, context_lens,
-                             block_size, masks=False)
+                             block_size, sdpa=False)
     if layout.decode_blocks is None or layout.decode_ctx is None:
         return StepPlan(layout, None)
     if num_blocks is None:
@@ -64,7 +65,7 @@ def plan(
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
            k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepPlan,
            scale: float) -> torch.Tensor:
-    """torch_fast.attend's contract, the decodes through the kernel."""
+    """torch_fast.attend's contract, through the kernels."""
     loaded, decodes = kernels(), step.decodes
 
     def decode(rows: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
@@ -72,7 +73,14 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
         assert decodes is not None
         return cpu_native.decode_attention(loaded, rows.contiguous(), kc, vc, decodes, sc)
 
-    return torch_fast.attend_with(decode, q, k, v, k_cache, v_cache, step.layout, scale)
+    def prefill(rows: torch.Tensor, _k: torch.Tensor | None, _v: torch.Tensor | None,
+                kc: torch.Tensor, vc: torch.Tensor, p: torch_fast.Prefill,
+                sc: float) -> torch.Tensor:
+        assert p.blocks is not None  # planned with sdpa=False: every prefill has its blocks
+        return cpu_native.prefill_attention(loaded, rows, kc, vc, p.blocks, p.ctx, sc)
+
+    return torch_fast.attend_with(decode, prefill, q, k, v, k_cache, v_cache, step.layout,
+                                  scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

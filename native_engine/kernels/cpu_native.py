@@ -54,8 +54,9 @@ _SIGNATURES = {
     "silu_mul": [_P, _P, _I, _I, _INT],
     "rope": [_P, _P, _P, _P, _I, _I, _I, _I, _INT],
     "argmax": [_P, _I, _I, _P, _INT],
+    "prefill_attention": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _INT],
 }
-_RESTYPES = {"gemv": ctypes.c_int}
+_RESTYPES = {"gemv": ctypes.c_int, "prefill_attention": ctypes.c_int}
 
 
 def cache_dir() -> Path:
@@ -297,3 +298,33 @@ def argmax(kernels: CpuKernels, x: torch.Tensor) -> torch.Tensor:
     kernels.fn("argmax", x.dtype)(x.data_ptr(), rows, x.shape[1], index.data_ptr(),
                                   torch.get_num_threads())
     return index
+
+
+def prefill_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, blocks: torch.Tensor, ctx: int,
+                      scale: float) -> torch.Tensor:
+    """A chunk of one request: q [n, Hq, D] are its context's last n positions, each
+    attending causally to the first `ctx` positions of K, V, which the caches [NB, BS, Hkv,
+    D] already hold at int64 `blocks` (block p // BS of position p). q's heads must be
+    contiguous per token (its tokens may be strided, as inside a fused qkv output). Float32
+    scores, softmax and weighted values; out [n, Hq, D] in q's dtype."""
+    n, hq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    dtype = q.dtype
+    _check(dtype in SUFFIX and k_cache.dtype == v_cache.dtype == dtype, "dtypes")
+    _check(q.device.type == k_cache.device.type == v_cache.device.type == "cpu", "cpu tensors")
+    _check(k_cache.shape == v_cache.shape and k_cache.shape[3] == d, "cache shapes")
+    _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous caches")
+    _check(q.stride(2) == 1 and q.stride(1) == d, "q's heads contiguous per token")
+    _check(hq % hkv == 0 and hq // hkv <= MAX_GROUP and d <= MAX_HEAD_DIM, "head layout")
+    _check(1 <= n <= ctx and blocks.dtype == torch.int64 and blocks.dim() == 1
+           and blocks.is_contiguous() and blocks.shape[0] * bs >= ctx, "lengths and blocks")
+    used = blocks[: -(-ctx // bs)]
+    _check(int(used.min()) >= 0 and int(used.max()) < nb, "block ids")
+    out = torch.empty(n, hq, d, dtype=dtype)
+    status = kernels.fn("prefill_attention", dtype)(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
+        n, ctx, hq, hkv, d, bs, scale, out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("cpu kernel prefill_attention: no memory for its widened K, V")
+    return out

@@ -76,7 +76,7 @@ class StepPlan:
     blocks [Rd, nb] (int64) and contexts `decode_ctx` [Rd] (int64); for SDPA, the mask of
     positions inside each context [Rd, nb * block_size] and `decode_pad`, the flat indices
     of the positions outside (None: none), or `single_decode` (blocks, context) for a step
-    of one decode alone (`masks=False` plans leave these three None). `prefills`: the
+    of one decode alone (`sdpa=False` plans leave these three None). `prefills`: the
     multi-token requests.
     """
 
@@ -102,13 +102,15 @@ def plan(
     context_lens: torch.Tensor,
     block_size: int,
     num_blocks: int | None = None,
-    masks: bool = True,
+    sdpa: bool = True,
 ) -> StepPlan:
     """The step's layout (see StepPlan); every host-side list is read here, once.
 
     `slot_mapping` None: nothing is stored and every prefill reads its K/V from the caches
     (the `paged_attention` contract, where the caches already hold the step's tokens).
-    `num_blocks` (the caches' size) is not needed here; other backends check against it."""
+    `num_blocks` (the caches' size) is not needed here; other backends check against it.
+    `sdpa` False plans for kernels that read everything from the caches: no SDPA masks, and
+    every prefill gets its blocks."""
     starts = query_start_loc.tolist()
     ctxs = context_lens.tolist()
     lens = [hi - lo for lo, hi in itertools.pairwise(starts)]
@@ -118,7 +120,7 @@ def plan(
     def blocks_of(r: int) -> torch.Tensor:
         return tables[r, : -(-ctxs[r] // block_size)]
 
-    fresh = slot_mapping is not None
+    fresh = slot_mapping is not None and sdpa
     decodes = [r for r, n in enumerate(lens) if n == 1]
     prefills = tuple(
         Prefill(starts[r], starts[r + 1], ctxs[r], None if fresh and ctxs[r] == n else blocks_of(r))
@@ -132,9 +134,9 @@ def plan(
         ctx = context_lens.long()[index]
         if len(decodes) < len(lens):
             decode_rows = torch.tensor([starts[r] for r in decodes])
-    if masks and len(decodes) == 1 and not prefills:
+    if sdpa and len(decodes) == 1 and not prefills:
         single = (blocks_of(decodes[0]), ctxs[decodes[0]])
-    elif masks and blocks is not None and ctx is not None:
+    elif sdpa and blocks is not None and ctx is not None:
         valid = torch.arange(blocks.shape[1] * block_size) < ctx.unsqueeze(1)
         pad = (~valid).flatten().nonzero().squeeze(1)
         pad = pad if pad.numel() else None
@@ -154,6 +156,8 @@ def _store_layout(
 
 
 Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, float], torch.Tensor]
+PrefillFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
+                      torch.Tensor, Prefill, float], torch.Tensor]
 
 
 def attend(
@@ -167,37 +171,45 @@ def attend(
 ) -> torch.Tensor:
     """Store the step's k, v [T, Hkv, D] (None: planned without slots, nothing to store)
     and attend q [T, Hq, D] → [T, Hq, D] in q's dtype."""
-    return attend_with(sdpa_decode, q, k, v, k_cache, v_cache, step, scale)
+    return attend_with(sdpa_decode, sdpa_prefill, q, k, v, k_cache, v_cache, step, scale)
 
 
-def attend_with(decode: Decode, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepPlan,
-                scale: float) -> torch.Tensor:
+def attend_with(decode: Decode, prefill: PrefillFn, q: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                step: StepPlan, scale: float) -> torch.Tensor:
     """`attend` with the step's decode rows attended by `decode(q_rows, k_cache, v_cache,
-    step, scale)`; prefills as `attend`."""
+    step, scale)` and each prefill by `prefill(q_rows, k_rows, v_rows, k_cache, v_cache,
+    the Prefill, scale)` (k_rows, v_rows: the step's own, None when not given)."""
     if k is not None and v is not None and step.store_slots is not None:
         _store(k, v, k_cache, v_cache, step)
     if step.has_decodes and step.decode_rows is None:  # decodes only
         return decode(q, k_cache, v_cache, step, scale)
-    if not step.has_decodes and len(step.prefills) == 1 and step.prefills[0].blocks is None:
-        assert k is not None and v is not None  # a fresh prompt brings its own k, v
-        return _attention(q, k, v, None, scale, causal=True)  # one fresh prompt: cold TTFT
+    if not step.has_decodes and len(step.prefills) == 1:  # one prompt, e.g. a cold TTFT
+        return prefill(q, k, v, k_cache, v_cache, step.prefills[0], scale)
     out = torch.empty_like(q)
     if step.has_decodes:
         rows = step.decode_rows
         out[rows] = decode(q[rows], k_cache, v_cache, step, scale)
     for p in step.prefills:
-        if p.blocks is None:
-            assert k is not None and v is not None
-            out[p.lo : p.hi] = _attention(q[p.lo : p.hi], k[p.lo : p.hi], v[p.lo : p.hi], None,
-                                          scale, causal=True)
-        else:
-            keys = _gather(k_cache, p.blocks).flatten(0, 1)[: p.ctx].to(q.dtype)
-            values = _gather(v_cache, p.blocks).flatten(0, 1)[: p.ctx].to(q.dtype)
-            pos = torch.arange(p.ctx - (p.hi - p.lo), p.ctx).unsqueeze(1)
-            mask = torch.arange(p.ctx).unsqueeze(0) <= pos  # causal, offset by the prefix
-            out[p.lo : p.hi] = _attention(q[p.lo : p.hi], keys, values, mask, scale)
+        rows_k = None if k is None else k[p.lo : p.hi]
+        rows_v = None if v is None else v[p.lo : p.hi]
+        out[p.lo : p.hi] = prefill(q[p.lo : p.hi], rows_k, rows_v, k_cache, v_cache, p, scale)
     return out
+
+
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, p: Prefill,
+                 scale: float) -> torch.Tensor:
+    """One prefill chunk through SDPA: causal over its own k, v when nothing before it is
+    cached (`p.blocks` None), else over its gathered context under an offset causal mask."""
+    if p.blocks is None:
+        assert k is not None and v is not None  # a fresh prompt brings its own k, v
+        return _attention(q, k, v, None, scale, causal=True)
+    keys = _gather(k_cache, p.blocks).flatten(0, 1)[: p.ctx].to(q.dtype)
+    values = _gather(v_cache, p.blocks).flatten(0, 1)[: p.ctx].to(q.dtype)
+    pos = torch.arange(p.ctx - (p.hi - p.lo), p.ctx).unsqueeze(1)
+    mask = torch.arange(p.ctx).unsqueeze(0) <= pos  # causal, offset by the prefix
+    return _attention(q, keys, values, mask, scale)
 
 
 def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepPlan,

@@ -268,3 +268,31 @@ def test_argmax_is_torchs_first_index_and_refuses_nan_and_inf(
     assert cpu_native.argmax(variant, x)[4:].tolist() == [-1, -1]
     assert cpu_native.argmax(variant, x[:3, :5].contiguous()).tolist() == \
         x[:3, :5].float().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 64, 72])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 1), (2, 2)])
+def test_every_build_prefills_as_the_reference(variant: cpu_native.CpuKernels,
+                                               dtype: torch.dtype, head_dim: int,
+                                               heads: tuple[int, int]) -> None:
+    """Whole prompts and chunks after a cached prefix, lengths across tile and block edges;
+    q's tokens strided as inside a fused qkv output."""
+    new_lens, ctx_lens = [2, 17, 40, 5, 33], [2, 17, 70, 37, 33]
+    batch = make_paged_batch(new_lens, ctx_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
+                             head_dim=head_dim, page_size=16, dtype=dtype, seed=head_dim)
+    ref = torch_ref.paged_attention(*batch.attention_args())
+    strided = torch.cat([batch.q, torch.zeros_like(batch.q[:, :1])], dim=1)[:, : heads[0]]
+    starts = batch.query_start_loc.tolist()
+    for r, ctx in enumerate(ctx_lens):
+        blocks = batch.block_tables[r].long()
+        out = cpu_native.prefill_attention(variant, strided[starts[r] : starts[r + 1]],
+                                           batch.k_cache, batch.v_cache, blocks, ctx,
+                                           batch.scale)
+        assert not out.isnan().any(), "read an unowned (poisoned) slot"
+        tol = tolerance(dtype)
+        torch.testing.assert_close(out.double(), ref[starts[r] : starts[r + 1]].double(),
+                                   atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="block ids"):
+        cpu_native.prefill_attention(variant, batch.q[:2], batch.k_cache, batch.v_cache,
+                                     torch.full((8,), batch.k_cache.shape[0]), 2, batch.scale)

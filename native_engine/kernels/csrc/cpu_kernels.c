@@ -319,6 +319,150 @@ DEFINE_VALUES_RH(values_rh_bf16, bf16, axpy_bf16, put_bf16)
 DEFINE_DECODE(f32, float)
 DEFINE_DECODE(bf16, bf16)
 
+/* ---- prefill attention: a chunk of n new tokens of one request over its paged context ----
+ * The chunk's tokens are the context's last n positions (ctx - n .. ctx - 1); token i attends
+ * to keys 0 .. ctx - n + i (causal). K is widened once per KV head into float32 tiles of
+ * LANES keys, transposed ([tile][D][LANES]), so a tile's scores for a query row are D FMAs
+ * with no horizontal sums; V is widened once into float32 rows. Query rows go through in
+ * blocks: the G heads of up to PREFILL_POSITIONS positions share each K tile they read. */
+
+#define PREFILL_POSITIONS 4
+#define PREFILL_ROWS (MAX_GROUP * PREFILL_POSITIONS)
+
+/* acc[m] over one tile for m < M rows of qf [M][d]: scores = sum_d qf[m][d] * kt[d][lane]. */
+INLINE void qk_tile(const float *qf, const float *kt, int64_t d, int64_t M, vf *acc) {
+    for (int64_t m = 0; m < M; m++) acc[m] = vzero();
+    for (int64_t e = 0; e < d; e++) {
+        const vf k = vload_f32(kt + e * LANES);
+        for (int64_t m = 0; m < M; m++) acc[m] = vfma(vset1(qf[m * d + e]), k, acc[m]);
+    }
+}
+
+/* Scores of M query rows over `tiles` tiles, stored [M][tiles * LANES] scaled. The (d, M) of
+ * common models get their own compiled copy, so the accumulators stay in registers. */
+INLINE void qk_rows(const float *qf, const float *kt, int64_t d, int64_t M, int64_t tiles,
+                    float scale, float *scores, int64_t stride) {
+    vf acc[PREFILL_ROWS];
+    const vf vs = vset1(scale);
+#define QK_CASE(D, MM)                                                                         \
+    for (int64_t t = 0; t < tiles; t++) {                                                      \
+        qk_tile(qf, kt + t * (D) * LANES, D, MM, acc);                                          \
+        for (int64_t m = 0; m < (MM); m++) vstore(scores + m * stride + t * LANES, vmul(acc[m], vs)); \
+    }
+    if (d == 64 && M == 12) { QK_CASE(64, 12) }
+    else if (d == 64 && M == 16) { QK_CASE(64, 16) }
+    else if (d == 128 && M == 16) { QK_CASE(128, 16) }
+    else { QK_CASE(d, M) }
+#undef QK_CASE
+}
+
+/* out[m][0..d) = sum_{k < len} p[m][k] * v[k][0..d) for m < rows (p rows `pstride` apart,
+ * zero past each row's own length; v float32 rows of d). With d a whole number of lanes, a
+ * tile of rows keeps its accumulators in registers and reads each V row once for all. */
+#if LANES == 16
+#define VREGS 32
+#elif LANES == 8
+#define VREGS 16
+#else
+#define VREGS 8
+#endif
+#define PV_MAX_ROWS 8
+#define PV_MAX_CHUNKS (MAX_HEAD_DIM / LANES)
+
+INLINE void pv_tiles(const float *p, int64_t pstride, const float *v, int64_t len, int64_t d,
+                     int64_t rows, float *out) {
+    const int64_t dv = d / LANES;
+    int64_t mb = (VREGS - dv - 2) / dv;
+    mb = mb < 1 ? 1 : mb > PV_MAX_ROWS ? PV_MAX_ROWS : mb;
+    for (int64_t m0 = 0; m0 < rows; m0 += mb) {
+        const int64_t mm = rows - m0 < mb ? rows - m0 : mb;
+        vf acc[PV_MAX_ROWS][PV_MAX_CHUNKS];
+        for (int64_t m = 0; m < mb; m++)
+            for (int64_t c = 0; c < dv; c++) acc[m][c] = vzero();
+        for (int64_t k = 0; k < len; k++) {
+            vf vk[PV_MAX_CHUNKS];
+            for (int64_t c = 0; c < dv; c++) vk[c] = vload_f32(v + k * d + c * LANES);
+            for (int64_t m = 0; m < mb; m++) {
+                if (m >= mm) break;
+                const vf pm = vset1(p[(m0 + m) * pstride + k]);
+                for (int64_t c = 0; c < dv; c++) acc[m][c] = vfma(pm, vk[c], acc[m][c]);
+            }
+        }
+        for (int64_t m = 0; m < mm; m++)
+            for (int64_t c = 0; c < dv; c++) vstore(out + (m0 + m) * d + c * LANES, acc[m][c]);
+    }
+}
+
+INLINE void pv_rows(const float *p, int64_t pstride, const float *v, int64_t len, int64_t d,
+                    int64_t rows, float *out) {
+    if (d == 64) pv_tiles(p, pstride, v, len, 64, rows, out);
+    else if (d == 128) pv_tiles(p, pstride, v, len, 128, rows, out);
+    else if (d % LANES == 0) pv_tiles(p, pstride, v, len, d, rows, out);
+    else
+        for (int64_t m = 0; m < rows; m++) {
+            float *o = out + m * d;
+            memset(o, 0, (size_t)d * sizeof(float));
+            for (int64_t k = 0; k < len; k++) axpy_f32(o, p[m * pstride + k], v + k * d, d);
+        }
+}
+
+#define DEFINE_PREFILL(SUFFIX, T, LOAD, PUT)                                                   \
+    int fak_prefill_attention_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache,         \
+                                       const T *v_cache, const int64_t *table, int64_t n,      \
+                                       int64_t ctx, int64_t hq, int64_t hkv, int64_t d,        \
+                                       int64_t bs, float scale, T *out, int nthreads) {        \
+        const int64_t g = hq / hkv, tiles = (ctx + LANES - 1) / LANES, first = ctx - n;        \
+        const int64_t blocks = (n + PREFILL_POSITIONS - 1) / PREFILL_POSITIONS;                \
+        float *kt = calloc((size_t)(hkv * tiles * LANES * d), sizeof(float));                  \
+        float *vw = malloc((size_t)(hkv * ctx * d) * sizeof(float));                           \
+        if (!kt || !vw) { free(kt); free(vw); return -1; }                                     \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)") \
+        for (int64_t h = 0; h < hkv; h++)                                                      \
+            for (int64_t k = 0; k < ctx; k++) {                                                \
+                const int64_t slot = (table[k / bs] * bs + k % bs) * hkv + h;                  \
+                float *kh = kt + h * tiles * LANES * d + (k / LANES) * d * LANES + k % LANES;  \
+                for (int64_t e = 0; e < d; e++) kh[e * LANES] = LOAD(k_cache + slot * d + e);  \
+                for (int64_t e = 0; e < d; e++) vw[(h * ctx + k) * d + e] = LOAD(v_cache + slot * d + e); \
+            }                                                                                  \
+        int failed = 0;                                                                        \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads) if (nthreads > 1)") \
+        for (int64_t h = 0; h < hkv; h++)                                                      \
+            for (int64_t b = 0; b < blocks; b++) {                                             \
+                const int64_t i0 = b * PREFILL_POSITIONS;                                      \
+                const int64_t rows = n - i0 < PREFILL_POSITIONS ? n - i0 : PREFILL_POSITIONS;  \
+                const int64_t M = rows * g, last = first + i0 + rows - 1;                      \
+                const int64_t stride = (last / LANES + 1) * LANES;                             \
+                float qf[PREFILL_ROWS * MAX_HEAD_DIM];                                         \
+                float *scores = malloc((size_t)(M * stride) * sizeof(float));                  \
+                if (!scores) { failed = 1; continue; }                                         \
+                for (int64_t i = 0; i < rows; i++)                                             \
+                    for (int64_t j = 0; j < g; j++)                                            \
+                        for (int64_t e = 0; e < d; e++)                                        \
+                            qf[(i * g + j) * d + e] = LOAD(q + (i0 + i) * q_stride + (h * g + j) * d + e); \
+                qk_rows(qf, kt + h * tiles * LANES * d, d, M, last / LANES + 1, scale, scores, stride); \
+                for (int64_t i = 0; i < rows; i++)                                             \
+                    for (int64_t j = 0; j < g; j++) {                                          \
+                        float *pr = scores + (i * g + j) * stride;                             \
+                        const int64_t len = first + i0 + i + 1;                                \
+                        softmax_row(pr, len);                                                  \
+                        memset(pr + len, 0, (size_t)(last + 1 - len) * sizeof(float));         \
+                    }                                                                          \
+                float o[PREFILL_ROWS * MAX_HEAD_DIM];                                          \
+                pv_rows(scores, stride, vw + h * ctx * d, last + 1, d, M, o);                  \
+                for (int64_t i = 0; i < rows; i++)                                             \
+                    for (int64_t j = 0; j < g; j++)                                            \
+                        for (int64_t e = 0; e < d; e++)                                        \
+                            PUT(out + ((i0 + i) * hq + h * g + j) * d + e, o[(i * g + j) * d + e]); \
+                free(scores);                                                                  \
+            }                                                                                  \
+        free(kt);                                                                              \
+        free(vw);                                                                              \
+        return failed ? -1 : 0;                                                                \
+    }
+
+DEFINE_PREFILL(f32, float, load_f32, put_f32)
+DEFINE_PREFILL(bf16, bf16, load_bf16, put_bf16)
+
 /* ---- few-row linear: y[m, o] = x[m] . W[o], W [out, in], x [rows, in] ----
  * Four weight rows at a time, each read from memory once for all rows of x (at a few rows
  * a linear is bound by the weight bytes); y [rows, out] in W's dtype. */
