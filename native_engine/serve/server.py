@@ -80,7 +80,8 @@ class ServerConfig:
     block_size: int = 16
     num_blocks: int = 1024
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    # vLLM's API-server default on a CPU: a 1,000-token prompt is prefilled in one step
+    max_num_batched_tokens: int = 2048
     scheduling_policy: SchedulingPolicy = "fcfs"
     enable_prompt_tokens_details: bool = False
     attention_backend: str = "auto"

@@ -190,6 +190,22 @@ INLINE void softmax_row(float *s, int64_t n) {
     for (; i < n; i++) s[i] *= inv;
 }
 
+/* ---- whole rows between T and float32, vectorised ---- */
+
+#define DEFINE_ROWS(SUFFIX, T, LOAD, PUT, VLOAD, VSTORE)                                       \
+    INLINE void widen_row_##SUFFIX(float *dst, const T *src, int64_t n) {                      \
+        int64_t i = 0;                                                                         \
+        for (; i + LANES <= n; i += LANES) vstore(dst + i, VLOAD(src + i));                    \
+        for (; i < n; i++) dst[i] = LOAD(src + i);                                             \
+    }                                                                                          \
+    INLINE void round_row_##SUFFIX(T *dst, const float *src, int64_t n) {                      \
+        int64_t i = 0;                                                                         \
+        for (; i + LANES <= n; i += LANES) VSTORE(dst + i, vload_f32(src + i));                \
+        for (; i < n; i++) PUT(dst + i, src[i]);                                               \
+    }
+DEFINE_ROWS(f32, float, load_f32, put_f32, vload_f32, vstore)
+DEFINE_ROWS(bf16, bf16, load_bf16, put_bf16, vload_bf16, vstore_bf16)
+
 /* ---- dot products of `n` elements, vectorised over whole lanes, the rest scalar ---- */
 
 #define DEFINE_DOT(NAME, TA, TB, LOADA, LOADB, SCALARA, SCALARB)                               \
@@ -406,23 +422,87 @@ INLINE void pv_rows(const float *p, int64_t pstride, const float *v, int64_t len
         }
 }
 
-#define DEFINE_PREFILL(SUFFIX, T, LOAD, PUT)                                                   \
+/* How a path holds K and q for the scores. Widened: K as float32 tiles [D][LANES] per tile
+ * of keys, q rows widened to float32, scores by FMA (qk_rows). Pairs (bf16 on AVX512-BF16):
+ * K as tiles [D / 2][16] of adjacent-dimension bf16 pairs, q rows as they are, scores by the
+ * dot-product instruction, two products per lane (qk_pairs); half the instructions. */
+#define KT_WIDE_PER_KEY(d) (d)
+#define DEFINE_WIDE_PATH(SUFFIX, T, LOAD)                                                      \
+    INLINE void pack_key_##SUFFIX(float *tile, const T *row, int64_t lane, int64_t d) {        \
+        for (int64_t e = 0; e < d; e++) tile[e * LANES + lane] = LOAD(row + e);                \
+    }                                                                                          \
+    INLINE void qk_##SUFFIX(const T *q, int64_t q_stride, int64_t rows, int64_t g,            \
+                            const float *kt, int64_t d, int64_t tiles, float scale,           \
+                            float *scores, int64_t stride) {                                   \
+        float qf[PREFILL_ROWS * MAX_HEAD_DIM];                                                 \
+        for (int64_t i = 0; i < rows; i++) widen_row_##SUFFIX(qf + i * g * d, q + i * q_stride, g * d); \
+        qk_rows(qf, kt, d, rows * g, tiles, scale, scores, stride);                            \
+    }
+DEFINE_WIDE_PATH(f32, float, load_f32)
+
+#if defined(HAVE_DOT_BF16)
+#define KT_BF16 uint32_t
+#define KT_BF16_PER_KEY(d) ((d) / 2)
+INLINE void pack_key_bf16(uint32_t *tile, const bf16 *row, int64_t lane, int64_t d) {
+    for (int64_t e = 0; e < d / 2; e++) {
+        uint32_t pair;
+        memcpy(&pair, row + 2 * e, sizeof pair);
+        tile[e * 16 + lane] = pair;
+    }
+}
+
+INLINE void qk_pair_tile(const uint32_t *qp, const uint32_t *kt, int64_t pairs, int64_t M,
+                         __m512 *acc) {
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < pairs; e++) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + e * 16);
+        for (int64_t m = 0; m < M; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)qp[m * pairs + e]), k);
+    }
+}
+
+INLINE void qk_bf16(const bf16 *q, int64_t q_stride, int64_t rows, int64_t g, const uint32_t *kt,
+                    int64_t d, int64_t tiles, float scale, float *scores, int64_t stride) {
+    uint32_t qp[PREFILL_ROWS * MAX_HEAD_DIM / 2];
+    for (int64_t i = 0; i < rows; i++) memcpy(qp + i * g * d / 2, q + i * q_stride, (size_t)(g * d) * sizeof(bf16));
+    const int64_t M = rows * g, pairs = d / 2;
+    __m512 acc[PREFILL_ROWS];
+    const __m512 vs = _mm512_set1_ps(scale);
+#define QKP_CASE(P, MM)                                                                        \
+    for (int64_t t = 0; t < tiles; t++) {                                                      \
+        qk_pair_tile(qp, kt + t * (P) * 16, P, MM, acc);                                        \
+        for (int64_t m = 0; m < (MM); m++) _mm512_storeu_ps(scores + m * stride + t * 16, _mm512_mul_ps(acc[m], vs)); \
+    }
+    if (pairs == 32 && M == 12) { QKP_CASE(32, 12) }
+    else if (pairs == 32 && M == 16) { QKP_CASE(32, 16) }
+    else if (pairs == 64 && M == 16) { QKP_CASE(64, 16) }
+    else { QKP_CASE(pairs, M) }
+#undef QKP_CASE
+}
+#else
+#define KT_BF16 float
+#define KT_BF16_PER_KEY(d) (d)
+DEFINE_WIDE_PATH(bf16, bf16, load_bf16)
+#endif
+
+#define DEFINE_PREFILL(SUFFIX, T, KT, PER_KEY)                                                 \
     int fak_prefill_attention_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache,         \
                                        const T *v_cache, const int64_t *table, int64_t n,      \
                                        int64_t ctx, int64_t hq, int64_t hkv, int64_t d,        \
                                        int64_t bs, float scale, T *out, int nthreads) {        \
         const int64_t g = hq / hkv, tiles = (ctx + LANES - 1) / LANES, first = ctx - n;        \
         const int64_t blocks = (n + PREFILL_POSITIONS - 1) / PREFILL_POSITIONS;                \
-        float *kt = calloc((size_t)(hkv * tiles * LANES * d), sizeof(float));                  \
+        const int64_t tile_size = PER_KEY(d) * LANES, head_size = tiles * tile_size;           \
+        KT *kt = calloc((size_t)(hkv * head_size), sizeof(KT));                                \
         float *vw = malloc((size_t)(hkv * ctx * d) * sizeof(float));                           \
         if (!kt || !vw) { free(kt); free(vw); return -1; }                                     \
         _Pragma("omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)") \
         for (int64_t h = 0; h < hkv; h++)                                                      \
             for (int64_t k = 0; k < ctx; k++) {                                                \
                 const int64_t slot = (table[k / bs] * bs + k % bs) * hkv + h;                  \
-                float *kh = kt + h * tiles * LANES * d + (k / LANES) * d * LANES + k % LANES;  \
-                for (int64_t e = 0; e < d; e++) kh[e * LANES] = LOAD(k_cache + slot * d + e);  \
-                for (int64_t e = 0; e < d; e++) vw[(h * ctx + k) * d + e] = LOAD(v_cache + slot * d + e); \
+                pack_key_##SUFFIX(kt + h * head_size + (k / LANES) * tile_size,                \
+                                  k_cache + slot * d, k % LANES, d);                           \
+                widen_row_##SUFFIX(vw + (h * ctx + k) * d, v_cache + slot * d, d);             \
             }                                                                                  \
         int failed = 0;                                                                        \
         _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads) if (nthreads > 1)") \
@@ -432,14 +512,14 @@ INLINE void pv_rows(const float *p, int64_t pstride, const float *v, int64_t len
                 const int64_t rows = n - i0 < PREFILL_POSITIONS ? n - i0 : PREFILL_POSITIONS;  \
                 const int64_t M = rows * g, last = first + i0 + rows - 1;                      \
                 const int64_t stride = (last / LANES + 1) * LANES;                             \
-                float qf[PREFILL_ROWS * MAX_HEAD_DIM];                                         \
                 float *scores = malloc((size_t)(M * stride) * sizeof(float));                  \
-                if (!scores) { failed = 1; continue; }                                         \
-                for (int64_t i = 0; i < rows; i++)                                             \
-                    for (int64_t j = 0; j < g; j++)                                            \
-                        for (int64_t e = 0; e < d; e++)                                        \
-                            qf[(i * g + j) * d + e] = LOAD(q + (i0 + i) * q_stride + (h * g + j) * d + e); \
-                qk_rows(qf, kt + h * tiles * LANES * d, d, M, last / LANES + 1, scale, scores, stride); \
+                if (!scores) {                                                                 \
+                    _Pragma("omp atomic write")                                                \
+                    failed = 1;                                                                \
+                    continue;                                                                  \
+                }                                                                              \
+                qk_##SUFFIX(q + i0 * q_stride + h * g * d, q_stride, rows, g,                  \
+                            kt + h * head_size, d, last / LANES + 1, scale, scores, stride);   \
                 for (int64_t i = 0; i < rows; i++)                                             \
                     for (int64_t j = 0; j < g; j++) {                                          \
                         float *pr = scores + (i * g + j) * stride;                             \
@@ -450,9 +530,7 @@ INLINE void pv_rows(const float *p, int64_t pstride, const float *v, int64_t len
                 float o[PREFILL_ROWS * MAX_HEAD_DIM];                                          \
                 pv_rows(scores, stride, vw + h * ctx * d, last + 1, d, M, o);                  \
                 for (int64_t i = 0; i < rows; i++)                                             \
-                    for (int64_t j = 0; j < g; j++)                                            \
-                        for (int64_t e = 0; e < d; e++)                                        \
-                            PUT(out + ((i0 + i) * hq + h * g + j) * d + e, o[(i * g + j) * d + e]); \
+                    round_row_##SUFFIX(out + ((i0 + i) * hq + h * g) * d, o + i * g * d, g * d); \
                 free(scores);                                                                  \
             }                                                                                  \
         free(kt);                                                                              \
@@ -460,8 +538,8 @@ INLINE void pv_rows(const float *p, int64_t pstride, const float *v, int64_t len
         return failed ? -1 : 0;                                                                \
     }
 
-DEFINE_PREFILL(f32, float, load_f32, put_f32)
-DEFINE_PREFILL(bf16, bf16, load_bf16, put_bf16)
+DEFINE_PREFILL(f32, float, float, KT_WIDE_PER_KEY)
+DEFINE_PREFILL(bf16, bf16, KT_BF16, KT_BF16_PER_KEY)
 
 /* ---- few-row linear: y[m, o] = x[m] . W[o], W [out, in], x [rows, in] ----
  * Four weight rows at a time, each read from memory once for all rows of x (at a few rows
