@@ -56,6 +56,7 @@ _SIGNATURES = {
     "argmax": [_P, _I, _I, _P, _INT],
     "prefill_attention": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _INT],
 }
+_GEMM_SIGNATURES = {"gemm_pack": [_P, _I, _I, _P], "gemm": [_P, _I, _I, _P, _I, _P, _INT]}
 _RESTYPES = {"gemv": ctypes.c_int, "prefill_attention": ctypes.c_int}
 
 
@@ -97,10 +98,12 @@ def build(compiler: str, source: Path = SOURCE, directory: Path | None = None,
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The loaded library's entry points by dtype."""
+    """The loaded library's entry points by dtype; `gemm_panel_columns` is the packed bf16
+    GEMM's panel width, 0 where it was not built (no AVX512-BF16)."""
 
     path: Path
     functions: dict[str, Callable[..., Any]]
+    gemm_panel_columns: int = 0
 
     def fn(self, name: str, dtype: torch.dtype) -> Callable[..., Any]:
         return self.functions[f"{name}_{SUFFIX[dtype]}"]
@@ -117,7 +120,14 @@ def open_library(path: Path) -> CpuKernels:
             fn = getattr(lib, f"fak_{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
             functions[f"{name}_{suffix}"] = fn
-    return CpuKernels(path, functions)
+    lib.fak_gemm_panel_columns.restype = ctypes.c_int
+    panel_columns = lib.fak_gemm_panel_columns()
+    if panel_columns:  # built with AVX512-BF16: the packed bf16 GEMM
+        for name, argtypes in _GEMM_SIGNATURES.items():
+            fn = getattr(lib, f"fak_{name}_bf16")
+            fn.argtypes, fn.restype = argtypes, None
+            functions[f"{name}_bf16"] = fn
+    return CpuKernels(path, functions, panel_columns)
 
 
 def find_compiler() -> str | None:
@@ -327,4 +337,40 @@ def prefill_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tenso
         n, ctx, hq, hkv, d, bs, scale, out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError("cpu kernel prefill_attention: no memory for its widened K, V")
+    return out
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A bf16 weight [n, k] packed for `gemm`: panels of the kernels' `gemm_panel_columns`
+    output columns, each [ceil(k / 2)][columns] pairs of adjacent-k values, zero-padded."""
+
+    data: torch.Tensor  # int32, the packed pairs
+    n: int
+    k: int
+
+
+def pack_weight(kernels: CpuKernels, weight: torch.Tensor) -> PackedWeight:
+    """Pack a bf16 weight [n, k] once for `gemm` (needs `kernels.gemm_panel_columns`)."""
+    columns = kernels.gemm_panel_columns
+    _check(columns > 0, "the packed GEMM needs AVX512-BF16")
+    _check(weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu",
+           "a bf16 weight [n, k] on the CPU")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    panels = -(-n // columns)
+    data = torch.empty(panels * -(-k // 2) * columns, dtype=torch.int32)
+    kernels.fn("gemm_pack", torch.bfloat16)(weight.data_ptr(), n, k, data.data_ptr())
+    return PackedWeight(data, n, k)
+
+
+def gemm(kernels: CpuKernels, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """x [M, k] bf16 @ the packed weight's [n, k].T → [M, n] bf16 (float32 accumulation,
+    rounded once), any M >= 0."""
+    rows = _rows(x, weight.k, "x [M, k] contiguous")
+    _check(x.dtype == torch.bfloat16, "bf16 x")
+    out = torch.empty(rows, weight.n, dtype=torch.bfloat16)
+    if rows:
+        kernels.fn("gemm", torch.bfloat16)(x.data_ptr(), rows, weight.k, weight.data.data_ptr(),
+                                           weight.n, out.data_ptr(), torch.get_num_threads())
     return out

@@ -9,6 +9,13 @@ Kinds (by dtype and CPU, `choose_linear`), for the rows past `few_rows`:
 - "widened": bf16 on a CPU without bf16 matrix units: an fp32 GEMM on a float32 copy of the
   same bf16 values (oneDNN-packed where oneDNN packs fp32, else aten's), the output rounded
   back to bf16; bf16 inputs with fp32 accumulation, rounded once, as the GEMV below.
+- "fak_gemm": bf16 on a CPU with AVX512-BF16 and no AMX: the weight packed once for fak's C
+  GEMM (`cpu_native.gemm`: bf16 pairs, dot-product instructions, a register tile of rows),
+  every row count, the weight held once. SmolLM2's 30 layers' linears, 1 thread, 2-core
+  AVX512-BF16 EPYC, against oneDNN-packed bf16 (interleaved, medians): 3.9 vs 7.9 ms at 1
+  row, 3.9 vs 5.9 at 4, 10.4 vs 11.5 at 16, 30.3 vs 33.7 at 64, 226 vs 231 at 512; both at
+  75-95% of this core's measured bf16 dot-product peak (~205 GFLOP/s) for large M. AMX
+  machines keep oneDNN, whose AMX kernels this GEMM cannot match (not measured here).
 - "onednn_gemm": float32 on an x86 CPU, a oneDNN-packed copy (its fp32 GEMMs beat MKL's:
   SmolLM2, 1 thread, 2-core AVX2 EPYC, cold 1,000-token TTFT 5.99 -> 5.66 s, 16 concurrent
   120-token prompts 23.1 -> 25.5 tok/s, 64: 30.0 -> 34.2).
@@ -32,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from native_engine.kernels import cpu_native
+from native_engine.kernels.cpu_features import AMX_BF16
 
-LINEAR_KINDS = ("aten", "onednn", "widened", "onednn_gemm")
+LINEAR_KINDS = ("aten", "onednn", "widened", "onednn_gemm", "fak_gemm")
 
 # Up to this many rows a linear runs the C GEMV where it built (bf16, 1 thread, the 30
 # layers' linears: 11.1 against oneDNN's 17.5 ms at 1 row, 15.5 against 25 at 2, even at 4).
@@ -58,11 +66,15 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def choose_linear(dtype: torch.dtype, device: torch.device) -> str:
-    """oneDNN-packed bf16 on CPUs that pack it (the AMX / AVX512-BF16 machines; not measurable
-    on the AVX2 development machine), widened bf16 on CPUs that do not (aten's bf16 GEMM there
+    """fak's packed GEMM for bf16 on AVX512-BF16 CPUs without AMX (where its kernels built),
+    oneDNN-packed bf16 on other CPUs that pack it (AMX machines: not measured here), widened
+    bf16 on CPUs that do not (aten's bf16 GEMM there
     is 4-9x slower than fp32 past a few rows); fp32 GEMMs through oneDNN on x86 CPUs (AVX2 or
     AVX-512) that pack fp32; aten everywhere else (CUDA, other CPUs: not measured)."""
     if device.type == "cpu" and dtype == torch.bfloat16:
+        kernels = cpu_native.load()
+        if kernels is not None and kernels.gemm_panel_columns and not AMX_BF16:
+            return "fak_gemm"
         return "onednn" if onednn_packs(dtype) else "widened"
     if (device.type == "cpu" and dtype == torch.float32
             and torch.backends.cpu.get_cpu_capability().startswith("AVX")
@@ -76,12 +88,13 @@ class Linear:
 
     `weight` is what the kind reads past `few_rows` rows: the plain tensor for aten, the
     packed one for oneDNN, the [in, out] copy for onednn_gemm without the C GEMV
-    (`transposed`); `wide` is a widened or onednn_gemm linear's float32 copy, oneDNN-packed
-    when `packed_wide`. `native` (the C kernels, where they built and the kind is not aten)
-    runs rows up to `few_rows` on `plain`, the weight as loaded."""
+    (`transposed`), `packed`'s data for fak_gemm (every row); `wide` is a widened or
+    onednn_gemm linear's float32 copy, oneDNN-packed when `packed_wide`. `native` (the C
+    kernels, where they built and the kind is not aten) runs rows up to `few_rows` on
+    `plain`, the weight as loaded (None for fak_gemm)."""
 
-    __slots__ = ("few_rows", "kind", "native", "packed_wide", "plain", "transposed", "weight",
-                 "wide")
+    __slots__ = ("few_rows", "kind", "native", "packed", "packed_wide", "plain", "transposed",
+                 "weight", "wide")
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         if kind not in LINEAR_KINDS:
@@ -93,6 +106,15 @@ class Linear:
         self.kind = kind
         self.native = (cpu_native.load() if kind != "aten" and weight.device.type == "cpu"
                        and weight.dtype in cpu_native.SUFFIX else None)
+        self.packed: cpu_native.PackedWeight | None = None
+        if kind == "fak_gemm":
+            if self.native is None or weight.dtype != torch.bfloat16:
+                raise ValueError("a fak_gemm linear takes a bf16 CPU weight and fak's kernels")
+            self.packed = cpu_native.pack_weight(self.native, weight)
+            self.plain = self.wide = None
+            self.weight = self.packed.data  # the plain weight is not kept
+            self.transposed, self.packed_wide, self.few_rows = False, False, 0
+            return
         self.plain = weight.contiguous() if self.native is not None else None
         self.transposed = (self.native is None and kind == "onednn_gemm"
                            and weight.shape[0] >= weight.shape[1])
@@ -107,7 +129,14 @@ class Linear:
         self.few_rows = (NATIVE_GEMV_ROWS if self.native is not None
                          else SGEMV_ROWS if kind == "onednn_gemm" else GEMV_ROWS)
 
+    @property
+    def few_rows_kernel(self) -> str:
+        """What runs a decode's few rows: the C GEMV, or the kind's own kernel."""
+        return "c_gemv" if self.plain is not None else self.kind
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and self.native is not None:
+            return cpu_native.gemm(self.native, x.contiguous(), self.packed)
         few = x.shape[0] <= self.few_rows
         if few and self.native is not None and self.plain is not None:
             return cpu_native.gemv(self.native, x.contiguous(), self.plain)

@@ -139,8 +139,7 @@ class ModelRunner:
             linear=self.model.linear_kind,
             num_threads=num_threads, cpu_capability=torch.backends.cpu.get_cpu_capability(),
             flags=reported_flags(CPU_FLAGS),
-            few_rows_linear="c_gemv" if self.model.lm_head.native is not None
-            else self.model.linear_kind)
+            few_rows_linear=self.model.lm_head.few_rows_kernel)
         log.info("%s", self.compute.describe())
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.block_bytes())

@@ -296,3 +296,49 @@ def test_every_build_prefills_as_the_reference(variant: cpu_native.CpuKernels,
     with pytest.raises(ValueError, match="block ids"):
         cpu_native.prefill_attention(variant, batch.q[:2], batch.k_cache, batch.v_cache,
                                      torch.full((8,), batch.k_cache.shape[0]), 2, batch.scale)
+
+
+def gemm_kernels() -> cpu_native.CpuKernels | None:
+    """The kernels where the packed GEMM was built (AVX512-BF16); elsewhere None, once it is
+    checked that packing is refused there."""
+    kernels = native()
+    if kernels.gemm_panel_columns:
+        return kernels
+    with pytest.raises(ValueError, match="AVX512-BF16"):
+        cpu_native.pack_weight(kernels, torch.ones(4, 4, dtype=torch.bfloat16))
+    return None
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 40), n=st.integers(1, 100), k=st.integers(1, 80),
+       seed=st.integers(0, 2**16))
+def test_the_packed_gemm_matches_torch(rows: int, n: int, k: int, seed: int) -> None:
+    """Every row count (whole and partial row tiles), widths across panel and vector edges,
+    odd K."""
+    kernels = gemm_kernels()
+    if kernels is None:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weight = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    got = cpu_native.gemm(kernels, x, cpu_native.pack_weight(kernels, weight))
+    want = F.linear(x.double(), weight.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_a_fak_gemm_linear_holds_the_weight_packed_only() -> None:
+    from native_engine.kernels.linear import Linear
+
+    if gemm_kernels() is None:
+        return
+    weight = torch.randn(70, 48).bfloat16()
+    linear = Linear(weight, "fak_gemm")
+    assert linear.plain is None and linear.wide is None and linear.packed is not None
+    assert linear.weight is linear.packed.data and linear.few_rows_kernel == "fak_gemm"
+    for rows in (0, 1, 15, 33):
+        x = torch.randn(rows, 48).bfloat16()
+        torch.testing.assert_close(linear(x).double(), F.linear(x.double(), weight.double()),
+                                   atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="bf16"):
+        Linear(weight.float(), "fak_gemm")

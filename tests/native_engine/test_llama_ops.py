@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from native_engine.kernels import cpu_native, torch_fast
+from native_engine.kernels.cpu_features import AMX_BF16
 from native_engine.kernels.linear import (
     GEMV_ROWS,
     NATIVE_GEMV_ROWS,
@@ -142,8 +143,17 @@ def test_linear_choice_per_dtype_and_device() -> None:
     assert choose_linear(torch.float32, cpu) == want_fp32
     assert choose_linear(torch.float32, torch.device("cuda")) == "aten"
     assert choose_linear(torch.bfloat16, torch.device("cuda")) == "aten"
+    without_gemm = "onednn" if onednn_packs(torch.bfloat16) else "widened"
+    kernels = cpu_native.load()
+    packs = kernels is not None and kernels.gemm_panel_columns > 0 and not AMX_BF16
+    assert choose_linear(torch.bfloat16, cpu) == ("fak_gemm" if packs else without_gemm)
+
+
+def test_without_the_c_kernels_bf16_runs_onednn_or_widened(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
     want = "onednn" if onednn_packs(torch.bfloat16) else "widened"
-    assert choose_linear(torch.bfloat16, cpu) == want
+    assert choose_linear(torch.bfloat16, torch.device("cpu")) == want
 
 
 @pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1, 64])
