@@ -297,6 +297,111 @@ DEFINE_SCORES_RH(scores_rh_bf16, bf16, dot_bf16_same)
 DEFINE_VALUES_RH(values_rh_f32, float, axpy_f32, put_f32)
 DEFINE_VALUES_RH(values_rh_bf16, bf16, axpy_bf16, put_bf16)
 
+/* The same, 16 keys at a time (AVX-512; a block size a multiple of 16, so 16 keys from a
+ * multiple of 16 share a block): each key's products stay a vector of partial sums, and one
+ * transposing reduction turns 16 of them into 16 scores, instead of one reduction per key.
+ * Keys past n in the last 16 are computed from their (allocated) rows and not stored. */
+#if defined(__AVX512F__)
+INLINE __m512 hsum16(const __m512 *a) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+INLINE __m512 partial_f32(const float *q, const float *k, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), acc);
+    return acc;
+}
+#if defined(HAVE_DOT_BF16)
+typedef bf16 qbf16_t;
+#define SCORES16_bf16_STEP 32
+INLINE void prep_q_bf16(qbf16_t *dst, const bf16 *q, int64_t n) { memcpy(dst, q, (size_t)n * sizeof(bf16)); }
+INLINE __m512 partial_bf16(const qbf16_t *q, const bf16 *k, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
+    return acc;
+}
+#else
+typedef float qbf16_t;
+#define SCORES16_bf16_STEP 16
+INLINE void prep_q_bf16(qbf16_t *dst, const bf16 *q, int64_t n) { widen_row_bf16(dst, q, n); }
+INLINE __m512 partial_bf16(const qbf16_t *q, const bf16 *k, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), vload_bf16(k + c), acc);
+    return acc;
+}
+#endif
+INLINE void prep_q_f32(float *dst, const float *q, int64_t n) { memcpy(dst, q, (size_t)n * sizeof(float)); }
+#define SCORES16_f32_STEP 16
+
+#define DEFINE_SCORES16(SUFFIX, T, QT)                                                         \
+    INLINE int scores16_ok_##SUFFIX(int64_t d, int64_t bs) {                                   \
+        return bs % 16 == 0 && d % SCORES16_##SUFFIX##_STEP == 0;                              \
+    }                                                                                          \
+    INLINE void scores16_##SUFFIX(const T *q, const T *k_cache, const int64_t *table,          \
+                                  int64_t n, int64_t hkv, int64_t h, int64_t d, int64_t bs,    \
+                                  int64_t g, float scale, float *out, int64_t lpad) {          \
+        QT qp[MAX_GROUP * MAX_HEAD_DIM];                                                       \
+        prep_q_##SUFFIX(qp, q, g * d);                                                         \
+        const __m512 vs = _mm512_set1_ps(scale);                                               \
+        for (int64_t start = 0; start < n; start += 16) {                                      \
+            const T *row = k_cache + ((table[start / bs] * bs + start % bs) * hkv + h) * d;    \
+            const __mmask16 valid = n - start >= 16 ? 0xffff : (__mmask16)((1u << (n - start)) - 1); \
+            for (int64_t j = 0; j < g; j++) {                                                  \
+                __m512 acc[16];                                                                \
+                for (int i = 0; i < 16; i++) acc[i] = partial_##SUFFIX(qp + j * d, row + i * hkv * d, d); \
+                _mm512_mask_storeu_ps(out + j * lpad + start, valid, _mm512_mul_ps(hsum16(acc), vs)); \
+            }                                                                                  \
+        }                                                                                      \
+    }
+DEFINE_SCORES16(f32, float, float)
+DEFINE_SCORES16(bf16, bf16, qbf16_t)
+#endif
+
+/* Weighted values with the accumulators in registers (d a whole number of lanes, at most 8
+ * vectors, G <= 4): each V row is read and widened once for the G heads. */
+#define DEFINE_VALUES_VEC(SUFFIX, T, VLOAD, VPUT)                                              \
+    INLINE int values_vec_ok_##SUFFIX(int64_t d, int64_t g) {                                  \
+        return d % LANES == 0 && d / LANES <= 8 && g <= 4;                                     \
+    }                                                                                          \
+    INLINE void values_vec_##SUFFIX(const float *probs, const T *v_cache, const int64_t *table, \
+                                    int64_t n, int64_t hkv, int64_t h, int64_t d, int64_t bs,  \
+                                    int64_t g, int64_t lpad, T *out) {                         \
+        vf acc[4][8];                                                                          \
+        const int64_t dv = d / LANES;                                                          \
+        for (int64_t j = 0; j < g; j++)                                                        \
+            for (int64_t c = 0; c < dv; c++) acc[j][c] = vzero();                              \
+        for (int64_t start = 0; start < n; start += bs) {                                      \
+            const T *row = v_cache + (table[start / bs] * bs * hkv + h) * d;                   \
+            const int64_t stop = start + bs < n ? start + bs : n;                              \
+            for (int64_t p = start; p < stop; p++, row += hkv * d) {                           \
+                vf v[8];                                                                       \
+                for (int64_t c = 0; c < dv; c++) v[c] = VLOAD(row + c * LANES);                \
+                for (int64_t j = 0; j < g; j++) {                                              \
+                    const vf pj = vset1(probs[j * lpad + p]);                                  \
+                    for (int64_t c = 0; c < dv; c++) acc[j][c] = vfma(pj, v[c], acc[j][c]);    \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t j = 0; j < g; j++)                                                        \
+            for (int64_t c = 0; c < dv; c++) VPUT(out + j * d + c * LANES, acc[j][c]);         \
+    }
+DEFINE_VALUES_VEC(f32, float, vload_f32, vstore)
+DEFINE_VALUES_VEC(bf16, bf16, vload_bf16, vstore_bf16)
+
 /* The (d, g) of common models get their own compiled copy (constants unroll the loops and
  * keep the accumulators in registers); others take the general one. */
 #define DISPATCH_DG(CALL)                                                                      \
@@ -328,10 +433,25 @@ DEFINE_VALUES_RH(values_rh_bf16, bf16, axpy_bf16, put_bf16)
             }                                                                                  \
     }
 
-#define SCORES_CALL_f32(D, G) scores_rh_f32(qh, k_cache, table, ctx[r], hkv, h, D, bs, G, scale, pr, lpad)
-#define SCORES_CALL_bf16(D, G) scores_rh_bf16(qh, k_cache, table, ctx[r], hkv, h, D, bs, G, scale, pr, lpad)
-#define VALUES_CALL_f32(D, G) values_rh_f32(pr, v_cache, table, ctx[r], hkv, h, D, bs, G, lpad, oh)
-#define VALUES_CALL_bf16(D, G) values_rh_bf16(pr, v_cache, table, ctx[r], hkv, h, D, bs, G, lpad, oh)
+#if defined(__AVX512F__)
+#define SCORES_WITH(SUFFIX, D, G)                                                              \
+    if (scores16_ok_##SUFFIX(D, bs))                                                           \
+        scores16_##SUFFIX(qh, k_cache, table, ctx[r], hkv, h, D, bs, G, scale, pr, lpad);      \
+    else                                                                                       \
+        scores_rh_##SUFFIX(qh, k_cache, table, ctx[r], hkv, h, D, bs, G, scale, pr, lpad)
+#else
+#define SCORES_WITH(SUFFIX, D, G)                                                              \
+    scores_rh_##SUFFIX(qh, k_cache, table, ctx[r], hkv, h, D, bs, G, scale, pr, lpad)
+#endif
+#define VALUES_WITH(SUFFIX, D, G)                                                              \
+    if (values_vec_ok_##SUFFIX(D, G))                                                          \
+        values_vec_##SUFFIX(pr, v_cache, table, ctx[r], hkv, h, D, bs, G, lpad, oh);           \
+    else                                                                                       \
+        values_rh_##SUFFIX(pr, v_cache, table, ctx[r], hkv, h, D, bs, G, lpad, oh)
+#define SCORES_CALL_f32(D, G) SCORES_WITH(f32, D, G)
+#define SCORES_CALL_bf16(D, G) SCORES_WITH(bf16, D, G)
+#define VALUES_CALL_f32(D, G) VALUES_WITH(f32, D, G)
+#define VALUES_CALL_bf16(D, G) VALUES_WITH(bf16, D, G)
 DEFINE_DECODE(f32, float)
 DEFINE_DECODE(bf16, bf16)
 
