@@ -153,6 +153,28 @@ def load() -> CpuKernels | None:
     return kernels
 
 
+def _wide_threads() -> int:
+    """Threads for long work (a GEMM or a prefill attention of WIDE_ROWS rows or more):
+    `OMP_NUM_THREADS` where set, else every core this process may use. The engine's other
+    work keeps torch's count (a core left free, `model.machine.default_num_threads`): a
+    step of many short ops stalls when a thread loses its core, while these kernels hand a
+    slow thread's share to the others (dynamic schedules). A cold 1,000-token prefill on the
+    2-core AVX512-BF16 EPYC: 1.60 s on one thread, 0.91 s with both (in process, the two
+    interleaved, medians of 6)."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "")
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
+    return len(os.sched_getaffinity(0))
+
+
+WIDE_ROWS = 128
+WIDE_THREADS = _wide_threads()
+
+
+def _threads(rows: int) -> int:
+    return WIDE_THREADS if rows >= WIDE_ROWS else torch.get_num_threads()
+
+
 def _check(cond: bool, what: str) -> None:
     if not cond:
         raise ValueError(f"cpu kernel argument: {what}")
@@ -334,7 +356,7 @@ def prefill_attention(kernels: CpuKernels, q: torch.Tensor, k_cache: torch.Tenso
     out = torch.empty(n, hq, d, dtype=dtype)
     status = kernels.fn("prefill_attention", dtype)(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
-        n, ctx, hq, hkv, d, bs, scale, out.data_ptr(), torch.get_num_threads())
+        n, ctx, hq, hkv, d, bs, scale, out.data_ptr(), _threads(n))
     if status != 0:
         raise MemoryError("cpu kernel prefill_attention: no memory for its widened K, V")
     return out
@@ -372,5 +394,5 @@ def gemm(kernels: CpuKernels, x: torch.Tensor, weight: PackedWeight) -> torch.Te
     out = torch.empty(rows, weight.n, dtype=torch.bfloat16)
     if rows:
         kernels.fn("gemm", torch.bfloat16)(x.data_ptr(), rows, weight.k, weight.data.data_ptr(),
-                                           weight.n, out.data_ptr(), torch.get_num_threads())
+                                           weight.n, out.data_ptr(), _threads(rows))
     return out

@@ -342,3 +342,33 @@ def test_a_fak_gemm_linear_holds_the_weight_packed_only() -> None:
                                    atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="bf16"):
         Linear(weight.float(), "fak_gemm")
+
+
+def test_long_work_takes_every_core_unless_omp_num_threads_says(monkeypatch) -> None:
+    import os
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_native._wide_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert cpu_native._wide_threads() == len(os.sched_getaffinity(0))
+
+
+def test_threads_do_not_change_a_bit(monkeypatch) -> None:
+    """Wide work split over threads gives the same bits as on one: each panel (GEMM) and
+    each block of positions (prefill) is computed by one thread in a fixed order."""
+    kernels = native()
+    batch = make_paged_batch([300], [340], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                             page_size=16, dtype=torch.bfloat16, seed=3)
+    blocks = batch.block_tables[0].long()
+    weight = torch.randn(200, 64).bfloat16()
+    x = torch.randn(cpu_native.WIDE_ROWS + 3, 64).bfloat16()
+    packed = cpu_native.pack_weight(kernels, weight) if kernels.gemm_panel_columns else None
+    outs = []
+    for threads in (1, 2):
+        monkeypatch.setattr(cpu_native, "WIDE_THREADS", threads)
+        attention = cpu_native.prefill_attention(kernels, batch.q, batch.k_cache, batch.v_cache,
+                                                 blocks, 340, batch.scale)
+        outs.append((attention, None if packed is None else cpu_native.gemm(kernels, x, packed)))
+    assert torch.equal(outs[0][0], outs[1][0])
+    if packed is not None:
+        assert torch.equal(outs[0][1], outs[1][1])

@@ -920,7 +920,9 @@ static void gemm_rows(const bf16 *x, int64_t k, const uint32_t *panel, int64_t p
 void fak_gemm_bf16(const bf16 *x, int64_t m, int64_t k, const uint32_t *packed, int64_t n,
                    bf16 *y, int nthreads) {
     const int64_t pairs = (k + 1) / 2, panels = (n + GEMM_NR - 1) / GEMM_NR;
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)")
+    /* dynamic: a thread that gets no core for a while (another process on the machine)
+     * leaves its panels to the others instead of holding the whole GEMM back */
+    _Pragma("omp parallel for schedule(dynamic) num_threads(nthreads) if (nthreads > 1)")
     for (int64_t p = 0; p < panels; p++) {
         const int64_t cols = n - p * GEMM_NR < GEMM_NR ? n - p * GEMM_NR : GEMM_NR;
         for (int64_t m0 = 0; m0 < m; m0 += GEMM_MR)
