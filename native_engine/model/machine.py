@@ -53,17 +53,19 @@ class ComputeChoice:
     cpu_capability: str
     flags: tuple[str, ...]
     few_rows_linear: str  # what runs a decode's few-row linears: "c_gemv" or `linear`
+    wide_threads: int  # threads of the C kernels' long work (GEMMs, prefills of many rows)
 
     def describe(self) -> str:
         return (f"compute: device={self.device} dtype={self.dtype} attention={self.attention} "
                 f"decode_attention_dtype={self.decode_attention_dtype} linear={self.linear} "
                 f"few_rows_linear={self.few_rows_linear} threads={self.num_threads} "
+                f"wide_threads={self.wide_threads} "
                 f"cpu_capability={self.cpu_capability} flags={','.join(self.flags) or '-'}")
 
     def labels(self) -> dict[str, str]:
         return {"device": self.device, "dtype": self.dtype, "attention": self.attention,
                 "decode_attention_dtype": self.decode_attention_dtype, "linear": self.linear,
-                "few_rows_linear": self.few_rows_linear,
+                "few_rows_linear": self.few_rows_linear, "wide_threads": str(self.wide_threads),
                 "threads": str(self.num_threads),
                 "cpu_capability": self.cpu_capability, "cpu_flags": ",".join(self.flags)}
 

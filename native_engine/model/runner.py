@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from native_engine.kernels import BACKENDS, select_backend
+from native_engine.kernels import BACKENDS, cpu_native, select_backend
 from native_engine.kernels.cpu_features import CPU_FLAGS
 from native_engine.model.llama import AttentionMetadata, LlamaModel
 from native_engine.model.loaded import DTYPES, LoadedModel, dtype_name, weights_digest
@@ -139,7 +139,9 @@ class ModelRunner:
             linear=self.model.linear_kind,
             num_threads=num_threads, cpu_capability=torch.backends.cpu.get_cpu_capability(),
             flags=reported_flags(CPU_FLAGS),
-            few_rows_linear=self.model.lm_head.few_rows_kernel)
+            few_rows_linear=self.model.lm_head.few_rows_kernel,
+            wide_threads=cpu_native.WIDE_THREADS if cpu_native.load() is not None
+            and self.device.type == "cpu" else num_threads)
         log.info("%s", self.compute.describe())
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.block_bytes())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from native_engine.kernels import torch_fast
+from native_engine.kernels import cpu_native, torch_fast
 from native_engine.kernels.cpu_features import (
     AMX_BF16,
     FAST_BF16,
@@ -70,6 +70,7 @@ def test_runner_reports_its_choice_for_this_machine() -> None:
     assert choice.attention == "cpu_backend" and choice.num_threads == 1
     assert choice.decode_attention_dtype == "float32"
     assert choice.few_rows_linear == ("fak_gemm" if choice.linear == "fak_gemm" else "c_gemv")
+    assert choice.wide_threads == cpu_native.WIDE_THREADS
     assert choice.cpu_capability == torch.backends.cpu.get_cpu_capability()
     assert set(choice.flags) <= cpu_flags()
     line = choice.describe()
