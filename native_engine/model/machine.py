@@ -53,7 +53,7 @@ class ComputeChoice:
     cpu_capability: str
     flags: tuple[str, ...]
     few_rows_linear: str  # what runs a decode's few-row linears: "c_gemv" or `linear`
-    wide_threads: int  # threads of the C kernels' long work (GEMMs, prefills of many rows)
+    wide_threads: int  # threads of the C kernels' GEMMs and attentions
 
     def describe(self) -> str:
         return (f"compute: device={self.device} dtype={self.dtype} attention={self.attention} "

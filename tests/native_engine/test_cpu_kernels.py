@@ -354,21 +354,29 @@ def test_long_work_takes_every_core_unless_omp_num_threads_says(monkeypatch) -> 
 
 
 def test_threads_do_not_change_a_bit(monkeypatch) -> None:
-    """Wide work split over threads gives the same bits as on one: each panel (GEMM) and
-    each block of positions (prefill) is computed by one thread in a fixed order."""
+    """Work split over threads gives the same bits as on one: each panel (GEMM), each block
+    of positions (prefill) and each request's KV head (decode) is computed by one thread in
+    a fixed order."""
     kernels = native()
     batch = make_paged_batch([300], [340], num_q_heads=9, num_kv_heads=3, head_dim=64,
                              page_size=16, dtype=torch.bfloat16, seed=3)
     blocks = batch.block_tables[0].long()
     weight = torch.randn(200, 64).bfloat16()
-    x = torch.randn(cpu_native.WIDE_ROWS + 3, 64).bfloat16()
+    x = torch.randn(131, 64).bfloat16()
+    q = batch.q[:5].contiguous()
+    decodes = cpu_native.DecodeTables.checked(
+        blocks.repeat(5, 1), torch.tensor([340, 1, 17, 200, 99]), batch.k_cache.shape[0], 16)
     packed = cpu_native.pack_weight(kernels, weight) if kernels.gemm_panel_columns else None
     outs = []
     for threads in (1, 2):
         monkeypatch.setattr(cpu_native, "WIDE_THREADS", threads)
         attention = cpu_native.prefill_attention(kernels, batch.q, batch.k_cache, batch.v_cache,
                                                  blocks, 340, batch.scale)
-        outs.append((attention, None if packed is None else cpu_native.gemm(kernels, x, packed)))
+        decode = cpu_native.decode_attention(kernels, q, batch.k_cache, batch.v_cache, decodes,
+                                             batch.scale)
+        outs.append((attention, decode,
+                     None if packed is None else cpu_native.gemm(kernels, x, packed)))
     assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
     if packed is not None:
-        assert torch.equal(outs[0][1], outs[1][1])
+        assert torch.equal(outs[0][2], outs[1][2])

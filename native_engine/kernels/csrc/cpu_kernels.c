@@ -420,7 +420,7 @@ DEFINE_VALUES_VEC(bf16, bf16, vload_bf16, vstore_bf16)
                                        int64_t hkv, int64_t d, int64_t bs, int64_t lpad,       \
                                        float scale, float *scratch, T *out, int nthreads) {    \
         const int64_t g = hq / hkv;                                                            \
-        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)") \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)") \
         for (int64_t r = 0; r < num_reqs; r++)                                                 \
             for (int64_t h = 0; h < hkv; h++) {                                                \
                 const T *qh = q + (r * hq + h * g) * d;                                        \
