@@ -1,9 +1,11 @@
 """What this CPU multiplies in hardware, decided once per process from its flags: bf16 at all
 (AMX tiles or AVX512-BF16: `FAST_BF16`, what the dtype choice in `native_engine.model.machine`
-reads) and bf16 tiles (AMX: `AMX_BF16`, what torch_fast's decode attention reads)."""
+reads) and bf16 tiles (AMX: `AMX_BF16`, what torch_fast's decode attention reads); and the
+cores this process may use."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -38,6 +40,14 @@ def has_amx_bf16(flags: frozenset[str]) -> bool:
     if flags:
         return all(f in flags for f in AMX_FLAGS)
     return bool(torch.cpu._is_amx_tile_supported())
+
+
+def usable_cores() -> tuple[int | None, int]:
+    """(`OMP_NUM_THREADS` where set to a positive whole number, else None; the cores this
+    process may run on)."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "")
+    threads = int(explicit) if explicit.isdigit() and int(explicit) > 0 else None
+    return threads, len(os.sched_getaffinity(0))
 
 
 CPU_FLAGS = cpu_flags()  # read once per process

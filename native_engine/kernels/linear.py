@@ -68,9 +68,9 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 def choose_linear(dtype: torch.dtype, device: torch.device) -> str:
     """fak's packed GEMM for bf16 on AVX512-BF16 CPUs without AMX (where its kernels built),
     oneDNN-packed bf16 on other CPUs that pack it (AMX machines: not measured here), widened
-    bf16 on CPUs that do not (aten's bf16 GEMM there
-    is 4-9x slower than fp32 past a few rows); fp32 GEMMs through oneDNN on x86 CPUs (AVX2 or
-    AVX-512) that pack fp32; aten everywhere else (CUDA, other CPUs: not measured)."""
+    bf16 on CPUs that do not (aten's bf16 GEMM there is 4-9x slower than fp32 past a few
+    rows); fp32 GEMMs through oneDNN on x86 CPUs (AVX2 or AVX-512) that pack fp32; aten
+    everywhere else (CUDA, other CPUs: not measured)."""
     if device.type == "cpu" and dtype == torch.bfloat16:
         kernels = cpu_native.load()
         if kernels is not None and kernels.gemm_panel_columns and not AMX_BF16:

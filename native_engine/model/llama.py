@@ -182,7 +182,7 @@ class LlamaModel:
         # RoPE in place from float32 half-width tables, residual add + RMSNorm, SiLU * up.
         self.native = (cpu_native.load() if device.type == "cpu" and dtype in cpu_native.SUFFIX
                        else None)
-        half = config.head_dim // 2
+        half = config.head_dim // 2  # rope_tables' halves repeat; sin's first half is -sin
         self.rope_cos_half = cos[:, :half].contiguous()
         self.rope_sin_half = sin[:, half:].contiguous()
 

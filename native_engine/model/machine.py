@@ -16,12 +16,16 @@ exported as an info gauge on `/metrics` (`labels`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from native_engine.kernels.cpu_features import BF16_MATRIX_FLAGS, FAST_BF16, has_fast_bf16
+from native_engine.kernels.cpu_features import (
+    BF16_MATRIX_FLAGS,
+    FAST_BF16,
+    has_fast_bf16,
+    usable_cores,
+)
 
 REPORTED_FLAGS = (*BF16_MATRIX_FLAGS, "avx512f", "avx2", "fma", "f16c")
 
@@ -34,10 +38,8 @@ def default_num_threads() -> int:
     event loop, a neighbour process) takes a core, a 2-thread decode step on 2 cores ran
     ~16x slower than a 1-thread one in our measurement, so a core is left free.
     """
-    explicit = os.environ.get("OMP_NUM_THREADS", "")
-    if explicit.isdigit() and int(explicit) > 0:
-        return int(explicit)
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    explicit, cores = usable_cores()
+    return explicit or max(1, cores - 1)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ an unhandled error (seen in the hostile suite riding an engine)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sized
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -15,6 +16,22 @@ from aiohttp.test_utils import TestServer
 from governor.http.relay import DONE, Relay, SSEStream, relay_stream
 from governor.metrics import GovernorMetrics, TenantMeters
 from schemas.engine import EngineRequest, StreamChunk
+
+
+async def post_until_answered(app: web.Application, answered: Sized) -> bytes:
+    """POST to `app` on a real server, read until the server closes, then wait (up to 1 s)
+    for the handler to record its outcome in `answered`; the bytes the client got."""
+    async with TestServer(app) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        head = await reader.read()
+        writer.close()
+        for _ in range(100):
+            if answered:
+                break
+            await asyncio.sleep(0.01)
+    return head
 
 
 async def test_closing_a_stream_whose_client_left_does_not_raise() -> None:
@@ -35,16 +52,7 @@ async def test_closing_a_stream_whose_client_left_does_not_raise() -> None:
 
     app = web.Application()
     app.router.add_post("/", handle)
-    async with TestServer(app) as server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
-        await writer.drain()
-        head = await reader.read()
-        writer.close()
-        for _ in range(100):
-            if outcomes:
-                break
-            await asyncio.sleep(0.01)
+    head = await post_until_answered(app, outcomes)
     assert b"[DONE]" in head and outcomes == ["closed"]
 
 
@@ -81,15 +89,6 @@ async def test_a_client_that_leaves_mid_stream_is_a_disconnect_not_an_error() ->
 
     app = web.Application(handler_args={"handler_cancellation": False})
     app.router.add_post("/", handle)
-    async with TestServer(app) as server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
-        await writer.drain()
-        head = await reader.read()
-        writer.close()
-        for _ in range(100):
-            if seen:
-                break
-            await asyncio.sleep(0.01)
+    head = await post_until_answered(app, seen)
     assert b'{"n":0}' in head and b'{"n":2}' not in head
     assert seen == [("client_disconnect", True)]

@@ -380,3 +380,30 @@ def test_threads_do_not_change_a_bit(monkeypatch) -> None:
     assert torch.equal(outs[0][1], outs[1][1])
     if packed is not None:
         assert torch.equal(outs[0][2], outs[1][2])
+
+
+def test_elementwise_and_gemm_arguments_are_checked_before_the_c_code_runs() -> None:
+    """A shape the C code would read past, or a dtype it would misread, is a ValueError."""
+    kernels = native()
+    h, weight = torch.randn(3, 8), torch.ones(8)
+    bad_calls = {
+        "delta": lambda: cpu_native.add_rms_norm(kernels, h, torch.randn(2, 8), weight, 1e-5),
+        "h \\[rows, n\\]": lambda: cpu_native.add_rms_norm(kernels, h[:, :4], None,
+                                                          weight, 1e-5),
+        "weight": lambda: cpu_native.add_rms_norm(kernels, h, None, weight.double(), 1e-5),
+        "gate_up": lambda: cpu_native.silu_mul(kernels, torch.randn(3, 7)),
+        "n >= 1": lambda: cpu_native.argmax(kernels, torch.randn(3, 0)),
+        "x \\[rows, n\\]": lambda: cpu_native.argmax(kernels, torch.randn(6, 4).t()),
+        "tables": lambda: cpu_native.rope_(
+            kernels, torch.randn(2, 3, 8), cpu_native.Positions.checked(torch.tensor([0, 1]), 4),
+            torch.ones(4, 3), torch.ones(4, 3)),
+    }
+    for what, call in bad_calls.items():
+        with pytest.raises(ValueError, match=what):
+            call()
+    if kernels.gemm_panel_columns:
+        packed = cpu_native.pack_weight(kernels, torch.ones(32, 16, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="x \\[M, k\\]"):
+            cpu_native.gemm(kernels, torch.ones(2, 8, dtype=torch.bfloat16), packed)
+        with pytest.raises(ValueError, match="bf16 x"):
+            cpu_native.gemm(kernels, torch.ones(2, 16), packed)
