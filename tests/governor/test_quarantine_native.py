@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import string
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +29,7 @@ from governor.serve import build_governor
 from governor.state import Governor
 from native_engine.config import EngineConfig
 from tests.http_client import HTTP
+from tests.prompts import FreshPrompts
 
 from .server_thread import ServerThread, free_port
 
@@ -99,9 +97,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     thread.stop()
 
 
-def words(count: int) -> str:
-    rng = random.Random(time.time_ns())
-    return " ".join(rng.choice(string.ascii_lowercase) for _ in range(count))
+words = FreshPrompts().words
 
 
 def tokens_of(stack: Stack, text: str) -> list[int]:

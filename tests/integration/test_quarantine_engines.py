@@ -7,9 +7,6 @@ in-process native engine runs the same executors in tests/governor/test_quaranti
 from __future__ import annotations
 
 import contextlib
-import random
-import string
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from governor.quarantine.executors import QuarantineConfig
 from governor.quarantine.service import QuarantineRequest, QuarantineService, SpanInput
 from governor.serve import build_governor
 from governor.state import Governor
+from tests.prompts import FreshPrompts
 
 from .native_server import (
     NativeServer,
@@ -56,9 +54,7 @@ def quarantine_server() -> Iterator[NativeServer]:
         stop_native_server(server)
 
 
-def letters(count: int) -> str:
-    rng = random.Random(uuid.uuid4().int)
-    return " ".join(rng.choice(string.ascii_lowercase) for _ in range(count))
+letters = FreshPrompts().words
 
 
 def driver_for(server: NativeServer | VllmServer, token: str | None) -> VLLMDriver:

@@ -95,8 +95,11 @@ class BusyEngine:
     replaced, the next one's first event received, before it could finish, so the engine
     holds running blocks however slow the machine. (With a single 1,500-token request, a
     CI run's quarantine took 151 s and its reset succeeded: nothing held blocks by then,
-    so VERIFIED was the right answer to a test whose premise no longer held.)
-    `handoffs` counts the replacements; `problem` holds what ended the chain early."""
+    so VERIFIED was the right answer to a test whose premise no longer held.) Generated
+    tokens are counted from each chunk's usage, not by chunks: a reader that falls behind
+    gets several tokens per chunk, and counting chunks let a request run to its end unseen
+    (a CI run's reset succeeded on its 4th try). `handoffs` counts the replacements;
+    `problem` holds what ended the chain early."""
 
     def __init__(self, service: QuarantineService, model: str, tokens_each: int = 400) -> None:
         self.service, self.model, self.tokens_each = service, model, tokens_each
@@ -107,7 +110,8 @@ class BusyEngine:
 
     async def _start_one(self) -> AsyncGenerator[StreamChunk, None]:
         body = {"model": self.model, "prompt": letters(20), "max_tokens": 1500,
-                "ignore_eos": True, "temperature": 0, "stream": True}
+                "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         stream = self.service.gov.driver.generate(EngineRequest.of(
             uuid.uuid4().hex, "completions", body, "acme", self.service.gov.salt_for("acme")))
         first = await anext(stream)
@@ -122,12 +126,13 @@ class BusyEngine:
         try:
             while not self._stop.is_set():
                 seen = 0
-                async for chunk in current:  # one chunk per token; far from max_tokens
-                    seen += 1
+                async for chunk in current:  # far from max_tokens when handed off
+                    if chunk.usage is not None:
+                        seen = chunk.usage.completion_tokens
                     if seen >= self.tokens_each or self._stop.is_set() or chunk.done:
                         break
                 if seen < self.tokens_each and not self._stop.is_set():
-                    self.problem = f"a busy request ended after {seen} chunks"
+                    self.problem = f"a busy request ended after {seen} tokens"
                     return
                 following = await self._start_one()
                 await current.aclose()  # vLLM aborts it; `following` is already running
