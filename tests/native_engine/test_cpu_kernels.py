@@ -355,8 +355,9 @@ def test_long_work_takes_every_core_unless_omp_num_threads_says(monkeypatch) -> 
 
 def test_threads_do_not_change_a_bit(monkeypatch) -> None:
     """Work split over threads gives the same bits as on one: each panel (GEMM), each block
-    of positions (prefill) and each request's KV head (decode) is computed by one thread in
-    a fixed order."""
+    of weight rows (GEMV), each row (the elementwise kernels, argmax), each block of
+    positions (prefill) and each request's KV head (decode) is computed by one thread in a
+    fixed order."""
     kernels = native()
     batch = make_paged_batch([300], [340], num_q_heads=9, num_kv_heads=3, head_dim=64,
                              page_size=16, dtype=torch.bfloat16, seed=3)
@@ -375,11 +376,29 @@ def test_threads_do_not_change_a_bit(monkeypatch) -> None:
         decode = cpu_native.decode_attention(kernels, q, batch.k_cache, batch.v_cache, decodes,
                                              batch.scale)
         outs.append((attention, decode,
-                     None if packed is None else cpu_native.gemm(kernels, x, packed)))
+                     None if packed is None else cpu_native.gemm(kernels, x, packed),
+                     *row_kernels(kernels, x, weight)))
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], outs[1][1])
     if packed is not None:
         assert torch.equal(outs[0][2], outs[1][2])
+    for one, two in zip(outs[0][3:], outs[1][3:], strict=True):
+        assert torch.equal(one, two)
+
+
+def row_kernels(kernels: cpu_native.CpuKernels, x: torch.Tensor,
+                weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The GEMV (2 rows) and the row-parallel kernels on rows enough for the wide threads."""
+    rows = x.shape[0]
+    assert rows >= cpu_native.ELEMENTWISE_WIDE_ROWS
+    h = x.clone()
+    normed = cpu_native.add_rms_norm(kernels, h, x.flip(0).contiguous(), weight[0], 1e-5)
+    heads = x.view(rows, 1, 64).clone()
+    table = torch.randn(rows, 32, generator=torch.Generator().manual_seed(5))
+    cpu_native.rope_(kernels, heads, cpu_native.Positions.checked(
+        torch.arange(rows), rows), table, table.flip(1).contiguous())
+    return (cpu_native.gemv(kernels, x[:2].contiguous(), weight), h, normed,
+            cpu_native.silu_mul(kernels, x), heads, cpu_native.argmax(kernels, x))
 
 
 def test_elementwise_and_gemm_arguments_are_checked_before_the_c_code_runs() -> None:

@@ -663,7 +663,8 @@ DEFINE_PREFILL(bf16, bf16, KT_BF16, KT_BF16_PER_KEY)
 
 /* ---- few-row linear: y[m, o] = x[m] . W[o], W [out, in], x [rows, in] ----
  * Four weight rows at a time, each read from memory once for all rows of x (at a few rows
- * a linear is bound by the weight bytes); y [rows, out] in W's dtype. */
+ * a linear is bound by the weight bytes); y [rows, out] in W's dtype. Chunks of blocks are
+ * handed out as threads free up (a thread that loses its core does not hold the rest). */
 
 #define GEMV_BLOCK 4
 #define DEFINE_GEMV(SUFFIX, T, XT, DOT, PUT)                                                   \
@@ -673,7 +674,7 @@ DEFINE_PREFILL(bf16, bf16, KT_BF16, KT_BF16_PER_KEY)
         const XT *xs = as_dot_input(x, rows * in, &xw);                                        \
         if (!xs) return -1;                                                                    \
         const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;                            \
-        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)")   \
+        _Pragma("omp parallel for schedule(dynamic, 16) num_threads(nthreads) if (nthreads > 1)")   \
         for (int64_t b = 0; b < blocks; b++) {                                                 \
             const int64_t lo = b * GEMV_BLOCK;                                                 \
             const int64_t hi = lo + GEMV_BLOCK < out ? lo + GEMV_BLOCK : out;                  \
