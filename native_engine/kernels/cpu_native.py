@@ -158,7 +158,8 @@ def _wide_threads() -> int:
     set, else every core this process may use; also the few-row GEMV's, and the row-parallel
     kernels' from `ELEMENTWISE_WIDE_ROWS` rows (the GEMV at one row, SmolLM2's 30 layers and
     lm_head, 1 against 2 threads on the 2-core AVX512-BF16 EPYC: fp32 31.9 vs 20.8 ms, bf16
-    13.3 vs 10.3 ms). Torch's own ops keep torch's count
+    13.3 vs 10.3 ms). Torch's own ops (but the linears past a few rows,
+    `linear.on_wide_threads`) keep torch's count
     (a core left free, `model.machine.default_num_threads`): a step of many short torch ops
     stalls when one of its threads loses its core, while these kernels hand a slow thread's
     share to the others (dynamic schedules). On the 2-core AVX512-BF16 EPYC, through

@@ -120,6 +120,37 @@ def test_without_the_c_kernels_one_row_is_mkl_and_more_onednn(
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-5)
 
 
+ONEDNN_KINDS = [("onednn", torch.float32), ("onednn_gemm", torch.float32),
+                ("widened", torch.bfloat16)] + (
+    [("onednn", torch.bfloat16)] if onednn_packs(torch.bfloat16) else [])
+
+
+@pytest.mark.parametrize("kind,dtype", [*ONEDNN_KINDS, ("aten", torch.float32)])
+def test_onednn_linears_past_few_rows_take_the_wide_threads_with_the_same_bits(
+        kind: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `few_rows` a oneDNN-packed GEMM runs on the C kernels' thread count, then
+    torch's own count is back, and one thread or two give the same bits; aten's (MKL's
+    sgemm changes bits with the thread count) stays on torch's count."""
+    weight = torch.randn(96, 40).to(dtype)
+    linear = Linear(weight, kind)
+    seen: list[int] = []
+    narrow = torch.get_num_threads()
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n))[1])
+    for rows in (5, 9, 37):
+        x = torch.randn(rows, 40).to(dtype)
+        outs = []
+        for wide in (1, 2):
+            monkeypatch.setattr(cpu_native, "WIDE_THREADS", wide)
+            outs.append(linear(x))
+            assert torch.get_num_threads() == narrow
+        assert torch.equal(outs[0], outs[1])
+    if kind == "aten":
+        assert not seen and torch.equal(outs[1], F.linear(x, weight))
+    else:
+        assert 2 in seen or narrow >= 2
+
+
 def test_a_tied_embedding_is_read_through_the_heads_transposed_copy() -> None:
     """With a transposed fp32 head the embedding is a view of the head's [in, out] copy: the
     same numbers, held once."""
