@@ -6,7 +6,9 @@ and grows by 1 per batch. The PUB binds when the endpoint contains `*` or `::` o
 ipc:// / inproc://, and connects otherwise; without `allow_remote_kv` a wildcard bind listens
 on loopback only (SEC-17: the stream carries every tenant's tokens and salts). An optional
 ROUTER replays the last `buffer_steps` batches to a DEALER sending `["", start_seq]`: one
-`["", topic, seq, payload]` per batch with seq >= start_seq, then `["", "", ff×8, ""]`.
+`["", topic, seq, payload]` per batch with seq >= start_seq, then `["", "", ff×8, ""]`;
+batches still queued when a request arrives are sent first, so a replay holds every batch
+published before it.
 
 ZeroMQ sockets are not thread-safe, so one sender thread owns both sockets; `publish` (any
 thread) encodes the batch, numbers it and queues it. Numbering at `publish` time lets callers
@@ -70,6 +72,7 @@ class ZmqEventPublisher:
         self._lock: threading.Lock = threading.Lock()
         self._next_seq: int = 0
         self._closed: bool = False
+        self._stopping: bool = False  # the sender thread took close()'s sentinel
         self.send_errors: int = 0
         self._thread: threading.Thread = threading.Thread(
             target=self._run, name="kv-event-publisher", daemon=True)
@@ -156,17 +159,31 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         try:
-            while True:
+            while not self._stopping:
                 self._serve_replays()
                 try:
                     item = self._queue.get(timeout=self.IDLE_WAIT_S)
                 except queue.Empty:
                     continue
-                if item is None:
-                    break
-                self._send(*item)
+                self._take(item)
         finally:
             self._close_sockets()
+
+    def _take(self, item: tuple[int, bytes] | None) -> None:
+        if item is None:  # close(): everything before it was queued first
+            self._stopping = True
+        else:
+            self._send(*item)
+
+    def _drain(self) -> None:
+        """Send the batches already queued: a replay then holds every batch published before
+        its request arrived (a test run replayed 0-5 with seq 6 published but still queued)."""
+        while not self._stopping:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._take(item)
 
     def _send(self, seq: int, payload: bytes) -> None:
         assert self._pub is not None
@@ -188,6 +205,7 @@ class ZmqEventPublisher:
                 log.warning("Invalid replay request: %d frames", len(frames))
                 continue
             identity, start = frames[0], int.from_bytes(frames[2], "big")
+            self._drain()
             with self._buffer_lock:
                 batches = [(s, p) for s, p in self._buffer if s >= start]
             try:

@@ -331,6 +331,21 @@ def test_late_dealer_replays_buffered_batches_then_end_marker(ctx: zmq.Context) 
         assert replay(ctx, pub.replay_address, 99) == [[b"", b"", END_SEQ, b""]]
 
 
+def test_a_replay_holds_every_batch_published_before_it(ctx: zmq.Context) -> None:
+    """Batches still queued when a replay request arrives go out first, so the replay holds
+    every seq handed out before it (the sender used to answer between two queued batches)."""
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
+                         replay_endpoint="tcp://127.0.0.1:*", buffer_steps=1000, topic="kv")
+    with ZmqEventPublisher(cfg) as pub:
+        assert pub.replay_address is not None
+        for burst in range(4):
+            for i in range(200):
+                pub.publish([stored(f"b{burst}-{i}")])
+            frames = replay(ctx, pub.replay_address, 0)[:-1]
+            assert [int.from_bytes(f[2], "big") for f in frames] == list(range(pub.next_seq))
+        pub.check_integrity()
+
+
 def test_invalid_replay_request_is_ignored_and_service_continues(ctx: zmq.Context) -> None:
     cfg = KVEventsConfig(
         enable_kv_cache_events=True,
