@@ -16,6 +16,9 @@ class FreshPrompts:
         self._rng = random.Random()
 
     def words(self, count: int) -> str:
-        """`count` space-separated letters; raises StopIteration past 26 prompts."""
+        """`count` space-separated letters, the first a capital no earlier prompt had."""
+        opener = next(self._openers, None)
+        if opener is None:
+            raise RuntimeError("FreshPrompts has no opener left past 26 prompts")
         rest = (self._rng.choice(string.ascii_lowercase) for _ in range(count - 1))
-        return " ".join((next(self._openers), *rest))
+        return " ".join((opener, *rest))

@@ -154,18 +154,18 @@ def load() -> CpuKernels | None:
 
 
 def _wide_threads() -> int:
-    """Threads for the GEMMs and attentions (decode and prefill): `OMP_NUM_THREADS` where
-    set, else every core this process may use; also the few-row GEMV's, and the row-parallel
-    kernels' from `ELEMENTWISE_WIDE_ROWS` rows (the GEMV at one row, SmolLM2's 30 layers and
-    lm_head, 1 against 2 threads on the 2-core AVX512-BF16 EPYC: fp32 31.9 vs 20.8 ms, bf16
-    13.3 vs 10.3 ms). Torch's own ops (but the linears past a few rows,
-    `linear.on_wide_threads`) keep torch's count
-    (a core left free, `model.machine.default_num_threads`): a step of many short torch ops
-    stalls when one of its threads loses its core, while these kernels hand a slow thread's
-    share to the others (dynamic schedules). On the 2-core AVX512-BF16 EPYC, through
-    `fak engine serve` (random 120 in / 32 out, interleaved with the same engine keeping a
-    core free for all but 128-row work): 43.3 -> 50.6 tok/s at 1 request, 159 -> 179 at 16,
-    159 -> 173 at 64; a cold 1,000-token prefill in process 1.60 -> 0.91 s."""
+    """The C kernels' threads: `OMP_NUM_THREADS` where set, else every core this process may
+    use. The GEMMs, GEMVs and attentions always take them, the row-parallel kernels from
+    `ELEMENTWISE_WIDE_ROWS` rows, oneDNN's GEMMs through `linear.on_wide_threads`; torch's
+    other ops keep torch's count (a core left free, `model.machine.default_num_threads`): a
+    step of many short torch ops stalls when one of its threads loses its core, while these
+    kernels hand a slow thread's share to the others (dynamic schedules).
+
+    Measured on the 2-core AVX512-BF16 EPYC, each pair side by side in one run: GEMMs and
+    attentions on both cores against only from 128 rows, through `fak engine serve` (random
+    120 in / 32 out): 43.3 -> 50.6 tok/s at 1 request, 159 -> 179 at 16, 159 -> 173 at 64;
+    a cold 1,000-token prefill in process 1.60 -> 0.91 s. The GEMV at one row (SmolLM2's 30
+    layers and lm_head), 1 against 2 threads: fp32 31.9 vs 20.8 ms, bf16 13.3 vs 10.3 ms."""
     explicit, cores = usable_cores()
     return explicit or cores
 
