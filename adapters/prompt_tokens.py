@@ -9,16 +9,21 @@ tokenizer only token-id prompts can be matched against the shadow indexes.
 Texts go through a token-prefix cache (native_engine.model.token_prefix_cache) where the
 tokenizer is of a kind it is exact for, so a system prompt many requests share is
 tokenised once: the routing decision's cost is then mostly the new suffix. Each tenant
-has its own texts there (a shared cache would time other tenants' prompts).
+has its own texts there (a shared cache would time other tenants' prompts). The chain keys
+of a text's full blocks are kept in its memo there (`PromptIds.chain`), so the blocks a
+prompt shares with an earlier text of the tenant are not hashed again either: a decision
+costs what the new tokens cost, however long the shared part (a long conversation's next
+turn, a long system prompt).
 """
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 
+from adapters.vllm.shadow_index import prompt_chain
 from native_engine.model.chat_template import ChatTemplate
 from native_engine.model.prompt import PromptInvalid, prompt_token_ids
-from native_engine.model.token_prefix_cache import TokenPrefixCache
+from native_engine.model.token_prefix_cache import PrefixedIds, TokenPrefixCache
 from native_engine.model.tokenizer import TextTokenizer
 from schemas.engine import EngineRequest
 from schemas.openai import ChatRequest
@@ -27,6 +32,33 @@ EMBEDDED = "embedded"
 # The token-prefix cache's budget per entry, on average: 1,024 entries hold at most 512 Ki
 # token ids (45 MiB of RSS measured), however long the prompts clients send.
 TOKENS_PER_ENTRY = 512
+# Chains kept per text: one per (namespace digest, block size) the fleet matches in, and
+# a salt rotation's old and new digests.
+CHAINS_PER_TEXT = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PromptIds:
+    """A prompt's token ids; `prefixed`: what the token-prefix cache knew of them."""
+
+    ids: list[int]
+    prefixed: PrefixedIds | None = None
+
+    def chain(self, namespace: str | None, block_size: int) -> list[bytes]:
+        """`prompt_chain` of the ids (do not mutate it: it is kept for the next prompts),
+        hashing only the blocks past those an earlier text of the tenant shared."""
+        known = self.prefixed
+        if known is None:
+            return prompt_chain(namespace, self.ids, block_size)
+        key = (namespace, block_size)
+        chain: list[bytes] | None = known.memo.get(key)
+        if chain is None:
+            head = (known.base_memo or {}).get(key, ())[:known.reused // block_size]
+            chain = prompt_chain(namespace, self.ids, block_size, head)
+            if len(known.memo) >= CHAINS_PER_TEXT:
+                del known.memo[next(iter(known.memo))]
+            known.memo[key] = chain
+        return chain
 
 
 class PromptTokens:
@@ -51,16 +83,23 @@ class PromptTokens:
 
         return cls(*load_tokenizer(None if source == EMBEDDED else source), cache_entries)
 
-    def of(self, request: EngineRequest) -> list[int] | None:
+    def of(self, request: EngineRequest) -> PromptIds | None:
         body = request.body
         if self.tokenizer is None:
             prompt = None if isinstance(body, ChatRequest) else body.prompt
             ids = [t for t in prompt or () if isinstance(t, int) and not isinstance(t, bool)
                    and t >= 0] if isinstance(prompt, list) else []
-            return ids if ids and len(ids) == len(prompt or ()) else None
+            return PromptIds(ids) if ids and len(ids) == len(prompt or ()) else None
+        cache, prefixed = self.cache, []
+
+        def encode(text: str) -> list[int]:
+            assert cache is not None
+            prefixed.append(cache.encode_prefixed(text, request.tenant))
+            return prefixed[-1].ids
+
         try:
-            encode = None if self.cache is None else partial(self.cache.encode,
-                                                             namespace=request.tenant)
-            return prompt_token_ids(body, self.tokenizer, self.template, encode)
+            ids = prompt_token_ids(body, self.tokenizer, self.template,
+                                   None if cache is None else encode)
         except PromptInvalid:
             return None  # the engine will answer the 400
+        return PromptIds(ids, prefixed[0] if prefixed and prefixed[0].ids is ids else None)

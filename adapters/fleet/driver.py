@@ -25,11 +25,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adapters.driver import CacheMember
-from adapters.prompt_tokens import PromptTokens
+from adapters.prompt_tokens import PromptIds, PromptTokens
 from adapters.vllm.cache_control import VLLMCacheControl
 from adapters.vllm.capabilities import CapabilityRefusedError, UpstreamUnreachable
 from adapters.vllm.kv_subscriber import SyncState
-from adapters.vllm.shadow_index import prompt_chain
 from policies.routing import (
     Candidate,
     RoutingPolicy,
@@ -201,22 +200,22 @@ class FleetDriver:
                                         member.engine_load))
             if tokens is not None:
                 predicted[index] = predicted_cached_tokens(
-                    len(tokens), overlap if synced else 0, block_size)
-        order = rank_order(policy, candidates, len(tokens or ()), self.config.weights,
+                    len(tokens.ids), overlap if synced else 0, block_size)
+        prompt_tokens = None if tokens is None else len(tokens.ids)
+        order = rank_order(policy, candidates, prompt_tokens or 0, self.config.weights,
                            self._turn, len(self.members))
         self._turn += 1
         self.decision_seconds.append(time.perf_counter() - started)
         self.decision_cpu_seconds.append(time.thread_time() - cpu_started)
         return Decision(tuple(self.members[i] for i in order),
-                        {self.members[i].name: p for i, p in predicted.items()},
-                        None if tokens is None else len(tokens))
+                        {self.members[i].name: p for i, p in predicted.items()}, prompt_tokens)
 
     @staticmethod
-    def _overlap(member: Member, salt: str | None, tokens: list[int] | None, block_size: int,
+    def _overlap(member: Member, salt: str | None, tokens: PromptIds | None, block_size: int,
                  chains: dict[tuple[str | None, int], list[bytes]],
                  digests: dict[bytes, str | None]) -> tuple[int, bool]:
         kv = member.upstream.driver.kv
-        if kv is None or not tokens:
+        if kv is None or tokens is None or not tokens.ids:
             return 0, False
         index = kv.index(member.rank)
         if index.keying not in digests:
@@ -224,7 +223,7 @@ class FleetDriver:
         namespace = digests[index.keying]
         chain = chains.get((namespace, block_size))
         if chain is None:
-            chain = chains[(namespace, block_size)] = prompt_chain(namespace, tokens, block_size)
+            chain = chains[(namespace, block_size)] = tokens.chain(namespace, block_size)
         return index.matched_blocks(chain), kv.state(member.rank) is SyncState.SYNCED
 
     def routing_view(self) -> dict[str, Any]:

@@ -118,11 +118,15 @@ def namespace_root(namespace: str | None) -> bytes:
     return b"\x00" if namespace is None else b"\x01" + namespace.encode()
 
 
-def prompt_chain(namespace: str | None, tokens: Sequence[int], block_size: int) -> list[bytes]:
+def prompt_chain(namespace: str | None, tokens: Sequence[int], block_size: int,
+                 head: Sequence[bytes] = ()) -> list[bytes]:
     """Chain keys of a prompt's full blocks, in order (`chain_key` of each block, on one
-    packing of the whole prompt: the routing decision's hot path)."""
-    data, step = array("I", tokens).tobytes(), 4 * block_size
-    keys, key = [], namespace_root(namespace)
+    packing of the prompt: the routing decision's hot path). `head`: the keys of its first
+    blocks where already known (from an earlier prompt with the same leading tokens); only
+    the blocks past them are hashed."""
+    keys = list(head)
+    key = keys[-1] if keys else namespace_root(namespace)
+    data, step = array("I", tokens[len(keys) * block_size:]).tobytes(), 4 * block_size
     for start in range(0, len(data) - step + 1, step):
         key = _block_key(key, data[start:start + step])
         keys.append(key)

@@ -29,6 +29,11 @@ that stretch (most texts are a shared prefix plus a suffix no one sends again).
 Texts are shared only within a `namespace` (the router passes the tenant): a cache shared
 across tenants would let one time whether another sent a prompt (a hit is faster), the
 prompt-cache side channel of docs/security.md SEC-5 at a smaller scale.
+
+`encode_prefixed` also gives each kept text a `memo` for what a caller derives from its ids
+(the router keeps its block-hash chains there), kept and dropped with the text, and the memo
+of the text whose leading ids were reused: what was derived there holds for the first
+`reused` ids, so a caller extends it over the new ids only.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +64,18 @@ class _Text:
     keys: list[int] = field(default_factory=list)
     # (character, token, encoding) of the last tokenised stretch, its cuts not read yet
     pending: tuple[int, int, Encoding] | None = None
+    memo: dict[Hashable, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixedIds:
+    """A text's ids (the caller's copy); the first `reused` equal the ids of an earlier text
+    whose memo is `base_memo` (None: nothing reused); `memo` is this text's."""
+
+    ids: list[int]
+    reused: int
+    memo: dict[Hashable, Any]
+    base_memo: dict[Hashable, Any] | None
 
 
 @dataclass(slots=True)
@@ -122,18 +140,21 @@ class TokenPrefixCache:
                 "BPE" and _pre_tokenizer_ok(spec.get("pre_tokenizer")) and added_plain)
 
     def encode(self, text: str, namespace: str | None = None) -> list[int]:
+        return self.encode_prefixed(text, namespace).ids
+
+    def encode_prefixed(self, text: str, namespace: str | None = None) -> PrefixedIds:
         keys = self._keys(text, namespace)
         base, length = self._longest(text, namespace, keys)
         if base is None:
             self.stats.misses += 1
-            entry = _Text(namespace, text, [])
+            entry, count = _Text(namespace, text, []), 0
             self._extend(entry, 0, 0, text)
         else:
             self.stats.hits += 1
             self._texts.move_to_end(id(base))
             if base.text == text:
                 self.stats.reused_tokens += len(base.ids)
-                return list(base.ids)
+                return PrefixedIds(list(base.ids), len(base.ids), base.memo, base.memo)
             shared = _shared_length(text, base.text, length)
             self._read_cuts(base)
             i = max(bisect.bisect_right(base.cuts, shared - self.margin(text, shared)) - 1, 0)
@@ -143,7 +164,8 @@ class TokenPrefixCache:
             self.stats.reused_tokens += count
             self._extend(entry, cut, count, text[cut:])
         self._remember(entry, keys[length // self.stride:])
-        return list(entry.ids)
+        return PrefixedIds(list(entry.ids), count, entry.memo,
+                           None if base is None else base.memo)
 
     def margin(self, text: str, length: int) -> int:
         """How far before a shared length `length` a cut must be: past the regex's look,

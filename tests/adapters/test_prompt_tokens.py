@@ -1,12 +1,13 @@
 """The router's prompt tokens: the same ids with the token-prefix cache as without, for
-chat and text prompts; the cache is sized by `[engine.routing] tokenize_cache_entries`
-(0: off)."""
+chat and text prompts, and the same block-hash chains, only the new blocks hashed; the
+cache is sized by `[engine.routing] tokenize_cache_entries` (0: off)."""
 
 from __future__ import annotations
 
 import random
 
-from adapters.prompt_tokens import PromptTokens
+from adapters.prompt_tokens import CHAINS_PER_TEXT, PromptTokens
+from adapters.vllm.shadow_index import prompt_chain
 from governor.config import RoutingSection
 from schemas.engine import EngineRequest
 from schemas.openai import parse_request
@@ -26,7 +27,8 @@ def test_cached_ids_equal_whole_ids_for_chat_and_text() -> None:
         for r in (request("completions", {"prompt": system + suffix}),
                   request("chat", {"messages": [{"role": "system", "content": system},
                                                 {"role": "user", "content": suffix}]})):
-            assert cached.of(r) == whole.of(r)
+            got, want = cached.of(r), whole.of(r)
+            assert got is not None and want is not None and got.ids == want.ids
     assert cached.cache.stats.hits >= 20
     cached.cache.check_integrity()
 
@@ -35,3 +37,36 @@ def test_the_cache_size_is_configured() -> None:
     assert RoutingSection().tokenize_cache_entries == 1024
     assert PromptTokens.load("embedded", 0).cache is None
     assert PromptTokens.load(None, 1024).cache is None  # no tokenizer: token ids only
+
+
+def test_chains_equal_whole_chains_and_reuse_the_shared_blocks() -> None:
+    """A tenant's next turn shares the conversation so far: its chain is the whole prompt's,
+    and the keys of the blocks shared with the last turn are that turn's (not re-hashed).
+    Another namespace, block size or tenant starts over; a text seen again reuses all."""
+    rng = random.Random(9)
+    tokens = PromptTokens.load("embedded", 64)
+    words = ["alpha", "beta", "12", "it's", "\n", "gamma", "!"]
+    conversation = " ".join(rng.choice(words) for _ in range(300))
+    last = None
+    for turn in range(6):
+        conversation += " " + " ".join(rng.choice(words) for _ in range(40 + turn))
+        prompt = tokens.of(request("completions", {"prompt": conversation}))
+        assert prompt is not None and prompt.prefixed is not None
+        chain = prompt.chain("ns-a", 16)
+        assert chain == prompt_chain("ns-a", prompt.ids, 16)
+        shared = prompt.prefixed.reused // 16
+        if last is not None:
+            assert shared >= len(last) - 1 and all(
+                a is b for a, b in zip(chain[:shared], last, strict=False))
+        for namespace, size in (("ns-b", 16), ("ns-a", 32)):
+            assert prompt.chain(namespace, size) == prompt_chain(namespace, prompt.ids, size)
+        last = chain
+    again = tokens.of(request("completions", {"prompt": conversation}))
+    assert again is not None and again.chain("ns-a", 16) is last
+    other = tokens.of(EngineRequest("r", "completions", parse_request(
+        "completions", {"model": "m", "prompt": conversation}), "other-tenant", "s"))  # type: ignore[arg-type]
+    assert other is not None and other.prefixed is not None
+    assert other.prefixed.base_memo is None  # texts are never shared across tenants
+    for size in range(1, CHAINS_PER_TEXT + 3):  # a text keeps a few chains at most
+        again.chain("ns-a", size)
+    assert len(again.prefixed.memo) == CHAINS_PER_TEXT  # type: ignore[union-attr]

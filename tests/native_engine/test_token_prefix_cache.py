@@ -51,6 +51,30 @@ def test_encode_equals_a_full_encode(base: str, tails: list[tuple[int, str]]) ->
     cache.check_integrity()
 
 
+@settings(max_examples=200, deadline=None)
+@given(base=texts, tails=st.lists(st.tuples(st.integers(0, 400), texts), min_size=1,
+                                  max_size=6))
+def test_reused_ids_are_the_base_texts_and_memos_follow_texts(
+        base: str, tails: list[tuple[int, str]]) -> None:
+    """`encode_prefixed`: the first `reused` ids are those of the text whose memo is
+    `base_memo`; a text seen again gives its own memo back."""
+    cache = TokenPrefixCache(embedded(), capacity=4, stride=4)
+    ids_of: dict[int, list[int]] = {}  # memo id -> that text's ids
+    memos = []  # keeps every memo alive, so no id is reused
+    for text in [base, *(base[:cut] + tail for cut, tail in tails), base]:
+        got = cache.encode_prefixed(text)
+        assert got.ids == full(embedded(), text)
+        if got.base_memo is None:
+            assert got.reused == 0
+        else:
+            assert got.ids[:got.reused] == ids_of[id(got.base_memo)][:got.reused]
+        if got.memo is got.base_memo:
+            assert got.reused == len(got.ids) and ids_of[id(got.memo)] == got.ids
+        memos.append(got.memo)
+        ids_of.setdefault(id(got.memo), got.ids)
+    cache.check_integrity()
+
+
 def test_a_shared_system_prompt_is_tokenised_once(tokenizer: Tokenizer) -> None:
     rng = random.Random(7)
 
