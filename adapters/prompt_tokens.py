@@ -32,9 +32,10 @@ EMBEDDED = "embedded"
 # The token-prefix cache's budget per entry, on average: 1,024 entries hold at most 512 Ki
 # token ids (45 MiB of RSS measured), however long the prompts clients send.
 TOKENS_PER_ENTRY = 512
-# Chains kept per text: one per (namespace digest, block size) the fleet matches in, and
-# a salt rotation's old and new digests.
-CHAINS_PER_TEXT = 4
+# Chains kept per text (one per namespace digest and block size the fleet matches in: a
+# salt rotation's old and new digest, or two block sizes). A chain of 16-token blocks
+# measured 4.3 bytes per token: two add ~4 MiB to the budget's 45.
+CHAINS_PER_TEXT = 2
 
 
 @dataclass(frozen=True, slots=True)
