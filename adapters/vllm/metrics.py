@@ -1,7 +1,10 @@
 """vLLM `/metrics` → one normalised record (docs/design.md §5 "Metrics",
 docs/reference/vllm-surfaces.md §3).
 
-The exposition is parsed by prometheus_client's parser; this module only picks samples. Every
+The exposition is parsed by prometheus_client's parser; this module only picks samples, and
+hands the parser only the lines of the families it reads (`read_lines`): vLLM 0.32 exports
+~60 families in ~630 lines, the pure-Python parser took 12 ms for all of them, and the
+governor scrapes on a timer on the loop that relays generation. Every
 vLLM name generation maps to the same field (`gpu_*` → `kv_*` / `prefix_*`,
 `time_per_output_token` → `inter_token_latency`, counters with or without `_total`); the
 newest name wins when an exposition carries both. Values are summed over DP engines (the
@@ -45,6 +48,10 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
 }
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+CACHE_CONFIG = "vllm:cache_config_info"
+READ_FAMILIES: tuple[str, ...] = tuple(sorted({
+    *(name for names in (*GAUGES.values(), *COUNTERS.values(), *HISTOGRAMS.values())
+      for name in names), CACHE_CONFIG}))
 
 
 class MetricsParseError(ValueError):
@@ -56,6 +63,26 @@ class MetricsScrapeError(RuntimeError):
 
 
 Samples: TypeAlias = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def read_lines(text: str) -> str:
+    """The lines of `text` that belong to READ_FAMILIES (samples, HELP and TYPE), in order.
+    Kept by name prefix, so a family whose name extends a read one's stays (parsed, then
+    not picked); a sample line that opens with a quoted name (`{"name", ...}`) stays too.
+    The parser reads each family from its TYPE line and samples alone, so the families kept
+    parse as they do in the whole text."""
+    kept = []
+    for line in text.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            parts = stripped.split(None, 3)
+            if len(parts) < 3 or parts[1] not in ("HELP", "TYPE") or \
+                    not parts[2].lstrip('"').startswith(READ_FAMILIES):
+                continue
+        elif not stripped.startswith((*READ_FAMILIES, "{")):
+            continue
+        kept.append(line)
+    return "\n".join(kept) + "\n" if kept else ""
 
 
 def parse_samples(text: str) -> Samples:
@@ -157,7 +184,7 @@ def _label_int(labels: dict[str, str], name: str) -> int | None:
 def _cache_config(samples: Samples) -> tuple[CacheConfigInfo, ...]:
     """One record per engine (DP rank) exporting `vllm:cache_config_info`."""
     records = []
-    for labels, _ in samples.get("vllm:cache_config_info", []):
+    for labels, _ in samples.get(CACHE_CONFIG, []):
         prefix = labels.get("enable_prefix_caching")
         records.append(CacheConfigInfo(
             engine=labels.get("engine"),
@@ -192,7 +219,7 @@ def snapshot_from_text(text: str, model: str | None = None) -> MetricsSnapshot:
     Picked values must be finite and ≥ 0 (kv_usage ≤ 1) and histograms cumulative;
     anything else is a MetricsParseError rather than a wrong number.
     """
-    samples = parse_samples(text)
+    samples = parse_samples(read_lines(text))
     try:
         histograms = {f: _histogram(samples, f, model) for f in HISTOGRAMS}
     except ValueError as exc:

@@ -9,12 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.vllm.metrics import (
+    READ_FAMILIES,
     MetricsParseError,
     histogram_quantile,
+    parse_samples,
+    read_lines,
     serving_metrics,
     snapshot_from_text,
 )
-from tests.adapters.vllm_vectors import INT_RUN
+from tests.adapters.vllm_vectors import INT_RUN, RUNS
 
 
 def sample_value(text: str, prefix: str) -> float:
@@ -119,9 +122,30 @@ def test_histogram_quantile_edges() -> None:
     assert histogram_quantile(0.5, ((1.0, 4.0), (2.0, 8.0), (math.inf, 8.0))) == 1.0
 
 
+@pytest.mark.parametrize("name", ["metrics_before.prom", "metrics_after.prom"])
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
+def test_the_read_families_parse_alike_from_their_lines_alone(run, name: str) -> None:
+    """The parser gets only the read families' lines; on the real expositions they give
+    every sample they give from the whole text, and far fewer lines are parsed."""
+    text = (run / name).read_text()
+    whole, cut = parse_samples(text), parse_samples(read_lines(text))
+    read = {k: v for k, v in whole.items() if k.startswith(READ_FAMILIES)}
+    assert cut == read and read
+    assert len(read_lines(text).splitlines()) * 3 < len(text.splitlines())
+
+
+def test_lines_of_other_families_are_not_parsed() -> None:
+    """Garbage outside the read families is never read; inside them it still raises."""
+    running = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
+    snapshot = snapshot_from_text("vllm:other{le= 1\n# TYPE vllm:other gauge\n" + running)
+    assert snapshot.gauges["running"] == 3
+    with pytest.raises(MetricsParseError):
+        snapshot_from_text(running + "vllm:num_requests_waiting{le= 1\n")
+
+
 def test_garbage_raises_the_parse_error() -> None:
     with pytest.raises(MetricsParseError):
-        snapshot_from_text("vllm:x{le= 1\n")
+        snapshot_from_text("vllm:num_requests_running{le= 1\n")
     with pytest.raises(MetricsParseError):
         snapshot_from_text('vllm:time_to_first_token_seconds_bucket{le="abc"} 1\n')
 
