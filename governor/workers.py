@@ -8,7 +8,9 @@ one thing across workers is:
   worker a replica of its own (`<replica_id>-w<i>`), exactly as separate replicas share it
   (docs/operations.md §9). The file backend is one process's, so N > 1 refuses it;
 - **admission caps** — split, not shared: worker i admits with its share of every cap
-  (policies.worker_shares), the shares summing to the configured totals;
+  (policies.worker_shares), the shares summing to the configured totals; so is
+  `max_connections_per_peer`, so one address holds no more connections than one process
+  would let it;
 - **metrics** — per worker, each on its own private listener (`metrics_port + i`; 0: any
   free port, each worker prints where). The tenant-port `/metrics` would answer for
   whichever worker holds the connection, so N > 1 refuses `metrics_token_sha256`.
@@ -72,7 +74,7 @@ def check_workers(config: GovernorConfig) -> None:
                           "worker's /metrics on the tenant port; scrape each worker's "
                           "metrics listener instead")
     server = config.server
-    for name in ("max_engine_concurrency", "max_queued"):
+    for name in ("max_engine_concurrency", "max_queued", "max_connections_per_peer"):
         if getattr(server, name) < workers:
             raise ConfigError(f"[server] {name} = {getattr(server, name)} cannot give each "
                               f"of {workers} workers at least 1")
@@ -85,13 +87,15 @@ def check_workers(config: GovernorConfig) -> None:
 def worker_config(config: GovernorConfig, index: int, port: int, replica_base: str
                   ) -> GovernorConfig:
     """Worker `index`'s governor: the reserved port, its metrics port, its replica id and
-    its share of every admission cap."""
+    its share of every admission cap and of the per-peer connection cap."""
     server, workers = config.server, config.server.workers
     metrics = server.metrics_listen_port
     server = replace(server, port=port, metrics_port=metrics + index if metrics else 0,
                      max_engine_concurrency=integer_share(server.max_engine_concurrency,
                                                           workers, index),
-                     max_queued=integer_share(server.max_queued, workers, index))
+                     max_queued=integer_share(server.max_queued, workers, index),
+                     max_connections_per_peer=integer_share(server.max_connections_per_peer,
+                                                            workers, index))
     suffix = f"-w{index}"
     state = replace(config.state,
                     replica_id=replica_base[: REPLICA_ID_MAX - len(suffix)] + suffix)

@@ -20,7 +20,8 @@ def config(workers: int, state: str = "postgres", kind: str = "vllm",
     engine: dict[str, Any] = {"kind": kind}
     if kind == "vllm":
         engine |= {"base_url": "http://127.0.0.1:9", "model": "m"}
-    return parse_config({"server": {"workers": workers, "port": 8000, "max_queued": 9},
+    return parse_config({"server": {"workers": workers, "port": 8000, "max_queued": 9,
+                                    "max_connections_per_peer": 5},
                          "engine": engine, "state": {"backend": state},
                          "tenants": [{"id": "acme", "api_key_sha256": [DIGEST],
                                       "max_concurrency": 5, **tenant}]})
@@ -43,6 +44,11 @@ def test_what_workers_cannot_share_is_refused_in_one_line(change: dict[str, Any]
     assert "\n" not in str(refused.value)
 
 
+def test_a_per_peer_cap_below_the_workers_is_refused() -> None:
+    with pytest.raises(ConfigError, match="max_connections_per_peer = 5 cannot give each of 6"):
+        check_workers(config(6))
+
+
 def test_the_cli_refuses_workers_on_the_file_backend(tmp_path: Any, capsys: Any) -> None:
     path = tmp_path / "fak.toml"
     path.write_text(f'[server]\ndata_dir = "{tmp_path}"\n[engine]\nkind = "vllm"\n'
@@ -59,6 +65,7 @@ def test_each_worker_gets_its_share_port_metrics_port_and_replica() -> None:
     assert [p.state.replica_id for p in parts] == ["gov-a-w0", "gov-a-w1"]
     assert sum(p.server.max_engine_concurrency for p in parts) == 64
     assert sum(p.server.max_queued for p in parts) == 9
+    assert [p.server.max_connections_per_peer for p in parts] == [3, 2]
     acme = [p.tenants[0] for p in parts]
     assert sum(t.max_concurrency for t in acme) == 5
     assert sum(t.queue_limit for t in acme) == 7

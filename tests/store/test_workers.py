@@ -1,7 +1,8 @@
 """A real `fak serve --workers 2` on loopback, on one PostgreSQL, riding `fak engine serve`
-(issue 19): requests are served by both workers, a rate limit holds across them (their
-shares, not one bucket each), both workers' audit records land in the shared log, each
-worker's metrics count what it served, a worker killed -9 is restarted, SIGTERM stops all."""
+(issue 19): requests are served by both workers, a rate limit and the per-peer connection
+cap hold across them (their shares, not one each), both workers' audit records land in the
+shared log, each worker's metrics count what it served, a worker killed -9 is restarted,
+SIGTERM stops all."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ from .replica_rig import DSN_ENV, ROOT
 pytestmark = pytest.mark.slow
 SERVING = re.compile(r"fak: worker (\d+) \(pid (\d+)\) serving on (\S+) \(metrics on (\S+)\)")
 RATE = 2.0  # acme's requests_per_s: a burst of at most 2, in one process or split in two
+PER_PEER = 64  # [server] max_connections_per_peer: 32 per worker
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,7 @@ host = "127.0.0.1"
 port = {port}
 data_dir = "{data_dir}"
 client_cache_salt = "strip"
+max_connections_per_peer = {PER_PEER}
 
 [engine]
 kind = "vllm"
@@ -112,6 +116,28 @@ async def burst(url: str, key: str, n: int, salted: bool) -> list[int]:
     return list(await asyncio.gather(*(one() for _ in range(n))))
 
 
+def connections_kept(url: str, n: int) -> int:
+    """Open `n` idle connections from this address; how many the server keeps open (it
+    closes one past its cap at once, the others only at the head deadline)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(n)]
+    try:
+        time.sleep(0.5)  # the refusals are immediate; the head deadline is seconds away
+        kept = 0
+        for sock in held:
+            sock.settimeout(0.05)
+            try:
+                kept += sock.recv(1) != b""
+            except TimeoutError:
+                kept += 1  # still open: nothing to read, no end
+            except ConnectionResetError:
+                pass
+        return kept
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def served_by(metrics_url: str, tenant: str) -> float:
     text = HTTP.get(metrics_url + "/metrics", timeout=10).text
     return sum(float(m) for m in re.findall(
@@ -144,6 +170,10 @@ def test_two_workers_share_port_caps_log_and_survive_a_kill(
         statuses = asyncio.run(burst(url, "key-acme", 10, salted=False))
         admitted = statuses.count(200)
         assert 1 <= admitted <= RATE and statuses.count(429) == 10 - admitted, statuses
+
+        # One address holds at most the configured connections across both workers (each
+        # keeps its 32; of 120, each worker gets 32 or more in all but ~2e-7 of spreads).
+        assert connections_kept(url, 120) == PER_PEER
 
         # A worker killed -9 is restarted and serves again.
         old_pid = workers[1][0]
