@@ -31,6 +31,7 @@ from policies.isolation import (
 )
 from schemas.engine import EngineCapabilities, Usage
 
+from .control_plane import bounded_request
 from .metrics import MetricsParseError, MetricsScrapeError, MetricsSnapshot, scrape
 from .sse import MalformedUpstreamError, chunk_from_body
 from .upstream_errors import error_from_body
@@ -97,7 +98,7 @@ def pick_model(listing: Any, wanted: str | None) -> tuple[str, int | None]:
 async def _request(client: httpx.AsyncClient, endpoint: EngineEndpoint,
                    body: dict[str, Any] | None = None) -> httpx.Response:
     try:
-        return await client.request(endpoint.method, endpoint.url, json=body)
+        return await bounded_request(client, endpoint.method, endpoint.url, json=body)
     except httpx.TransportError as exc:
         # The class name only: the text can carry the upstream's address.
         raise UpstreamUnreachable(

@@ -3,7 +3,9 @@
 Its own httpx client, small pool and explicit timeouts, so a stalled `/metrics` can never
 hold a connection the generation path needs. Each call is single-flight (concurrent callers
 share one upstream request) and its answer is kept for a short TTL, so a flood of health
-checks or model listings reaches the engine at most once per TTL.
+checks or model listings reaches the engine at most once per TTL. Every answer is read
+through `bounded_request`: one larger than `max_answer_bytes` (decoded) is refused, so a
+broken or hostile upstream cannot fill the governor's memory.
 """
 
 from __future__ import annotations
@@ -12,13 +14,40 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 
-from .urls import EngineURLs
+from .urls import EngineEndpoint, EngineURLs
 
 T = TypeVar("T")
+# A control-plane answer: vLLM 0.32's /metrics is ~54 KB; a listing of many LoRA adapters
+# is larger, still far below this.
+CONTROL_ANSWER_BYTES = 8 << 20
+_FRAMING = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+
+
+class AnswerTooLarge(httpx.HTTPError):
+    """The upstream's answer was larger than the bound it is read with."""
+
+
+async def bounded_request(client: httpx.AsyncClient, method: str, url: httpx.URL | str,
+                          limit: int = CONTROL_ANSWER_BYTES, **kwargs: Any) -> httpx.Response:
+    """`client.request`, its answer read whole, or AnswerTooLarge past `limit` bytes of
+    decoded body (the connection is closed then)."""
+    request = client.build_request(method, url, **kwargs)
+    response = await client.send(request, stream=True)
+    body = bytearray()
+    try:
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > limit:
+                raise AnswerTooLarge(f"{method} {request.url.path}: answer over {limit} bytes")
+    finally:
+        await response.aclose()
+    headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _FRAMING]
+    return httpx.Response(response.status_code, headers=headers, content=bytes(body),
+                          request=request)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +57,13 @@ class ControlPlaneConfig:
     max_connections: int = 4
     health_ttl_s: float = 1.0
     models_ttl_s: float = 5.0
+    max_answer_bytes: int = CONTROL_ANSWER_BYTES
 
     def __post_init__(self) -> None:
         if min(self.connect_timeout_s, self.read_timeout_s) <= 0 or self.max_connections < 1:
             raise ValueError("timeouts must be positive and max_connections >= 1")
+        if self.max_answer_bytes < 1:
+            raise ValueError("max_answer_bytes must be >= 1")
         if min(self.health_ttl_s, self.models_ttl_s) < 0:
             raise ValueError("TTLs must be >= 0")
 
@@ -85,7 +117,7 @@ class ControlPlane:
         """What `GET /version` answers now (None: no usable answer)."""
         endpoint = self.urls.version()
         try:
-            response = await self.client.request(endpoint.method, endpoint.url)
+            response = await self._get(endpoint)
             version = response.json().get("version") if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
@@ -94,11 +126,14 @@ class ControlPlane:
     async def _get_health(self) -> bool:
         endpoint = self.urls.health()
         try:
-            response = await self.client.request(endpoint.method, endpoint.url)
+            response = await self._get(endpoint)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
 
     async def _get_models(self) -> httpx.Response:
-        endpoint = self.urls.models()
-        return await self.client.request(endpoint.method, endpoint.url)
+        return await self._get(self.urls.models())
+
+    async def _get(self, endpoint: EngineEndpoint) -> httpx.Response:
+        return await bounded_request(self.client, endpoint.method, endpoint.url,
+                                     self.config.max_answer_bytes)

@@ -37,7 +37,7 @@ from schemas.engine import EngineCapabilities, EngineError, EngineRequest, Strea
 
 from .cache_control import VLLMCacheControl
 from .capabilities import CapabilityRefusedError, VLLMDeclarations, probe_capabilities
-from .control_plane import ControlPlane
+from .control_plane import AnswerTooLarge, ControlPlane
 from .dev_control import VLLMDevControl
 from .fak_control import FakCacheControlClient
 from .kv_subscriber import KVEventSubscriber
@@ -60,7 +60,10 @@ class VLLMHTTPConfig:
     so it bounds the whole generation there. `total_timeout_s` bounds every upstream read of
     one request from its start. `keepalive_s` is how long an idle pooled connection is kept:
     below the engine's own idle timeout (uvicorn's 5 s under vLLM), so a request never
-    lands on a connection the engine is closing.
+    lands on a connection the engine is closing. `max_answer_bytes` bounds what one answer
+    may make the governor hold: a whole answer, an error body, one SSE event (give or take
+    one read); past it the request fails with a 502 and its connection is closed (vLLM
+    aborts the request), so a broken or hostile upstream cannot fill the governor's memory.
     """
 
     base_url: str
@@ -73,6 +76,7 @@ class VLLMHTTPConfig:
     reprobe_interval_s: float = 1.0
     metrics_url: str | None = None
     keepalive_s: float = 4.0
+    max_answer_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         EngineURLs(self.base_url)
@@ -84,8 +88,8 @@ class VLLMHTTPConfig:
             raise ValueError("reprobe_interval_s must be >= 0")
         if self.first_byte_timeout_s > self.total_timeout_s:
             raise ValueError("first_byte_timeout_s cannot exceed total_timeout_s")
-        if self.max_connections <= 0:
-            raise ValueError("max_connections must be positive")
+        if self.max_connections <= 0 or self.max_answer_bytes <= 0:
+            raise ValueError("max_connections and max_answer_bytes must be positive")
 
 
     def metrics_urls(self) -> EngineURLs:
@@ -304,8 +308,10 @@ class VLLMDriver:
     async def scrape(self) -> MetricsSnapshot:
         """One `/metrics` scrape of this engine (EngineError 502 when it fails)."""
         try:
-            return await scrape(self._require_control().client, self.metrics_urls,
-                                self.capabilities.model_id or None)
+            control = self._require_control()
+            return await scrape(control.client, self.metrics_urls,
+                                self.capabilities.model_id or None,
+                                control.config.max_answer_bytes)
         except (MetricsScrapeError, MetricsParseError) as exc:
             raise unavailable(f"metrics: {exc}") from exc
 
@@ -343,9 +349,10 @@ class VLLMDriver:
         if dp_rank is not None:
             headers[RANK_HEADER] = str(dp_rank)
         post = session.post(url, data=body, headers=headers, allow_redirects=False)
+        limit = self.config.max_answer_bytes
         try:
             if not request.stream:  # one deadline for the whole exchange
-                yield await _answer(post, first_byte)
+                yield await _answer(post, first_byte, limit)
                 return
             response = await _guarded(post, first_byte)
         except EngineError as exc:
@@ -354,10 +361,11 @@ class VLLMDriver:
         complete = False  # the body was read to its end: the connection may be reused
         try:
             if response.status != 200:
-                raw = await _guarded(response.read(), deadline)
+                raw = await _guarded(_read_at_most(response, limit), deadline)
                 complete = True
                 raise _status_error(response.status, raw)
-            async with contextlib.aclosing(_relay_sse(response, first_byte, deadline)) as chunks:
+            async with contextlib.aclosing(
+                    _relay_sse(response, first_byte, deadline, limit)) as chunks:
                 async for chunk in chunks:
                     yield chunk
             complete = await _body_end(response, deadline)
@@ -395,19 +403,31 @@ async def _body_end(response: aiohttp.ClientResponse, deadline: float) -> bool:
     return True
 
 
-async def _answer(post: Any, deadline: float) -> StreamChunk:
-    """A non-streaming answer, whole by `deadline`."""
-    status, raw = await _guarded(_whole(post), deadline)
+async def _answer(post: Any, deadline: float, limit: int) -> StreamChunk:
+    """A non-streaming answer, whole by `deadline`, of at most `limit` bytes."""
+    status, raw = await _guarded(_whole(post, limit), deadline)
     if status != 200:
         raise _status_error(status, raw)
     return _decoded(chunk_from_body, raw)
 
 
-async def _whole(post: Any) -> tuple[int, bytes]:
+async def _whole(post: Any, limit: int) -> tuple[int, bytes]:
     """A non-streaming answer: status and body; the connection goes back to the pool, or is
     closed when the read was cut short (vLLM then aborts the request)."""
     async with post as response:
-        return response.status, await response.read()
+        return response.status, await _read_at_most(response, limit)
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or a 502 once it passes `limit` bytes."""
+    if (response.content_length or 0) > limit:
+        raise unavailable(f"the answer is larger than {limit} bytes")
+    body = bytearray()
+    async for data in response.content.iter_any():
+        body += data
+        if len(body) > limit:
+            raise unavailable(f"the answer is larger than {limit} bytes")
+    return bytes(body)
 
 
 def _connection_lost(exc: EngineError) -> bool:
@@ -430,17 +450,22 @@ def _decoded(decode: Any, raw: Any) -> StreamChunk:
 
 
 async def _relay_sse(
-    response: aiohttp.ClientResponse, first_byte: float, deadline: float
+    response: aiohttp.ClientResponse, first_byte: float, deadline: float, limit: int
 ) -> AsyncGenerator[StreamChunk, None]:
-    """One chunk per SSE data event, through `[DONE]`; a stream cut short is a 502."""
+    """One chunk per SSE data event, through `[DONE]`; a stream cut short is a 502, and so
+    is one whose bytes since its last complete event pass `limit`."""
     content_type = response.headers.get("Content-Type", "").partition(";")[0]
     if "text/event-stream" not in content_type:
         raise unavailable(f"not an SSE stream: Content-Type is {content_type!r}")
     framer = SSEFramer()
-    waiting_for = first_byte
+    waiting_for, unframed = first_byte, 0
     while True:
         data = await _guarded(response.content.readany(), waiting_for)
-        for event in framer.feed(data) if data else framer.close():
+        events = framer.feed(data) if data else framer.close()
+        unframed = 0 if events else unframed + len(data)
+        if unframed > limit:
+            raise unavailable(f"an SSE event is larger than {limit} bytes")
+        for event in events:
             waiting_for = deadline
             if not event.data:
                 continue
@@ -471,6 +496,8 @@ async def _guarded(awaitable: Awaitable[T], deadline: float) -> T:
     except aiohttp.ClientError as exc:
         # The class name only: the exception text can carry the upstream's address.
         raise unavailable(type(exc).__name__) from exc
+    except AnswerTooLarge as exc:
+        raise unavailable(str(exc)) from exc
     except httpx.ConnectTimeout as exc:
         raise timed_out("connect timed out") from exc
     except httpx.TimeoutException as exc:

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.metrics import ServingMetrics
 
+from .control_plane import CONTROL_ANSWER_BYTES, bounded_request
 from .urls import EngineURLs
 
 Buckets: TypeAlias = tuple[tuple[float, float], ...]
@@ -306,12 +307,13 @@ def serving_metrics(
 
 
 async def scrape(
-    client: httpx.AsyncClient, urls: EngineURLs, model: str | None = None
+    client: httpx.AsyncClient, urls: EngineURLs, model: str | None = None,
+    limit: int = CONTROL_ANSWER_BYTES,
 ) -> MetricsSnapshot:
-    """GET /metrics and parse it."""
+    """GET /metrics (at most `limit` bytes) and parse it."""
     endpoint = urls.metrics()
     try:
-        response = await client.request(endpoint.method, endpoint.url)
+        response = await bounded_request(client, endpoint.method, endpoint.url, limit)
     except httpx.HTTPError as exc:
         # The path and class only: the rest can carry the upstream's address.
         raise MetricsScrapeError(
