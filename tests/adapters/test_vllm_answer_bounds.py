@@ -18,7 +18,7 @@ from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.metrics import MetricsScrapeError, scrape
 from adapters.vllm.urls import EngineURLs
 from schemas.engine import EngineCapabilities, EngineError, EngineRequest
-from tests.adapters.vllm_imitation import Imitation, start_imitation
+from tests.adapters.vllm_imitation import Imitation, serve_app, start_imitation
 
 CAPS = EngineCapabilities(engine_kind="vllm", model_id="smollm2", cache_salt=True)
 LIMIT = 4096
@@ -65,13 +65,9 @@ async def generation(request: web.Request) -> web.StreamResponse:
 async def upstream() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/completions", generation)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve_app(app)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         await runner.cleanup()
 
@@ -140,11 +136,7 @@ async def test_control_plane_answers_are_bounded() -> None:
 
     app = web.Application()
     app.add_routes(routes)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runner, url = await serve_app(app)
     control = ControlPlane(EngineURLs(url), {}, ControlPlaneConfig(max_answer_bytes=LIMIT))
     try:
         assert await control.healthy() is False

@@ -15,7 +15,13 @@ from adapters.driver import EngineDriver
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.urls import PUBLIC_SURFACES
 from schemas.engine import EngineCapabilities, EngineError, EngineRequest
-from tests.adapters.vllm_imitation import SALT_RULE, SSE_LINES, Imitation, start_imitation
+from tests.adapters.vllm_imitation import (
+    SALT_RULE,
+    SSE_LINES,
+    Imitation,
+    serve_app,
+    start_imitation,
+)
 from tests.adapters.vllm_vectors import INT_RUN, http_records
 
 CAPS = EngineCapabilities(engine_kind="vllm", model_id="smollm2", cache_salt=True)
@@ -300,13 +306,9 @@ async def canned(status: int, text: str, headers: dict[str, str]):
     app = web.Application()
     app.router.add_post("/v1/completions", generation)
     app.router.add_route("*", "/{tail:.*}", anything_else)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve_app(app)
     try:
-        yield f"http://127.0.0.1:{port}", seen
+        yield url, seen
     finally:
         await runner.cleanup()
 

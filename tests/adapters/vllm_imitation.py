@@ -253,9 +253,14 @@ def build_app(state: Imitation) -> web.Application:
 
 
 async def start_imitation(state: Imitation, port: int = 0) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(build_app(state))
+    return await serve_app(build_app(state), port)
+
+
+async def serve_app(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:
+    """`app` on loopback (port 0: any free one); its runner (to clean up) and base URL."""
+    runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
