@@ -21,6 +21,7 @@ import httpx
 
 from schemas.cache_control import ResetOutcome, ResetResult
 
+from .control_plane import bounded_request
 from .upstream_errors import timed_out, unavailable
 from .urls import EngineEndpoint, guarded_url
 
@@ -119,7 +120,7 @@ class VLLMDevControl:
             )
         try:
             async with httpx.AsyncClient(timeout=self.config.timeout_s, trust_env=False) as client:
-                response = await client.request(endpoint.method, endpoint.url)
+                response = await bounded_request(client, endpoint.method, endpoint.url)
         except httpx.TimeoutException as exc:
             audit(None, None, f"timeout: {exc!r}")
             raise timed_out(f"{method} {endpoint.url}") from exc

@@ -24,6 +24,7 @@ import httpx
 
 from schemas.cache_control import SpanEviction, SpanSpec
 
+from .control_plane import bounded_request
 from .dev_control import DevControlCall
 from .upstream_errors import error_from_body, timed_out, unavailable
 from .urls import EngineEndpoint, guarded_url
@@ -102,8 +103,8 @@ class FakCacheControlClient:
         try:
             async with httpx.AsyncClient(timeout=self.config.timeout_s, trust_env=False,
                                          follow_redirects=False) as client:
-                response = await client.request(endpoint.method, endpoint.url, json=body,
-                                                headers=headers)
+                response = await bounded_request(client, endpoint.method, endpoint.url,
+                                                 json=body, headers=headers)
         except httpx.TimeoutException as exc:
             audit(None, "timeout")
             raise timed_out(f"{method} {path}") from exc

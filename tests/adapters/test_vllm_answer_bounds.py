@@ -13,7 +13,13 @@ import httpx
 import pytest
 from aiohttp import web
 
-from adapters.vllm.control_plane import AnswerTooLarge, ControlPlane, ControlPlaneConfig
+from adapters.vllm.control_plane import (
+    CONTROL_ANSWER_BYTES,
+    AnswerTooLarge,
+    ControlPlane,
+    ControlPlaneConfig,
+)
+from adapters.vllm.dev_control import DevControlCall, DevControlConfig, VLLMDevControl
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.metrics import MetricsScrapeError, scrape
 from adapters.vllm.urls import EngineURLs
@@ -149,6 +155,24 @@ async def test_control_plane_answers_are_bounded() -> None:
     finally:
         await control.close()
         await runner.cleanup()
+
+
+async def test_a_dev_reset_answered_past_the_bound_is_a_502_on_the_audit_trail() -> None:
+    async def reset(_: web.Request) -> web.Response:
+        return web.Response(body=b"x" * (CONTROL_ANSWER_BYTES + 1))
+
+    app = web.Application()
+    app.router.add_post("/reset_prefix_cache", reset)
+    runner, url = await serve_app(app)
+    calls: list[DevControlCall] = []
+    try:
+        with pytest.raises(EngineError) as refused:
+            await VLLMDevControl(DevControlConfig(url, enabled=True), calls.append
+                                 ).reset_prefix_cache()
+    finally:
+        await runner.cleanup()
+    assert refused.value.status == 502 and "AnswerTooLarge" in refused.value.message
+    assert len(calls) == 1 and "AnswerTooLarge" in str(calls[0])
 
 
 async def test_the_recorded_vllm_answers_fit_the_default_bounds() -> None:
