@@ -58,9 +58,14 @@ class ControlPlaneConfig:
     health_ttl_s: float = 1.0
     models_ttl_s: float = 5.0
     max_answer_bytes: int = CONTROL_ANSWER_BYTES
+    # An idle pooled connection is dropped before the engine's own idle timeout (uvicorn's
+    # 5 s under vLLM, as long as the metrics scrape's period): else a call can go out on a
+    # connection the engine is closing and fail (measured against a 1 s server timeout).
+    keepalive_s: float = 4.0
 
     def __post_init__(self) -> None:
-        if min(self.connect_timeout_s, self.read_timeout_s) <= 0 or self.max_connections < 1:
+        if min(self.connect_timeout_s, self.read_timeout_s, self.keepalive_s) <= 0 or \
+                self.max_connections < 1:
             raise ValueError("timeouts must be positive and max_connections >= 1")
         if self.max_answer_bytes < 1:
             raise ValueError("max_answer_bytes must be >= 1")
@@ -99,7 +104,8 @@ class ControlPlane:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=c.connect_timeout_s, read=c.read_timeout_s,
                                   write=c.read_timeout_s, pool=c.read_timeout_s),
-            limits=httpx.Limits(max_connections=c.max_connections),
+            limits=httpx.Limits(max_connections=c.max_connections,
+                                keepalive_expiry=c.keepalive_s),
             headers=headers, follow_redirects=False, trust_env=False)
         self._health = SingleFlight(self._get_health, c.health_ttl_s)
         self._models = SingleFlight(self._get_models, c.models_ttl_s)

@@ -37,7 +37,7 @@ from schemas.engine import EngineCapabilities, EngineError, EngineRequest, Strea
 
 from .cache_control import VLLMCacheControl
 from .capabilities import CapabilityRefusedError, VLLMDeclarations, probe_capabilities
-from .control_plane import AnswerTooLarge, ControlPlane
+from .control_plane import AnswerTooLarge, ControlPlane, ControlPlaneConfig
 from .dev_control import VLLMDevControl
 from .fak_control import FakCacheControlClient
 from .kv_subscriber import KVEventSubscriber
@@ -58,9 +58,10 @@ class VLLMHTTPConfig:
     `first_byte_timeout_s` bounds the wait for the response head (a free pooled connection
     included) and, for streams, the first SSE event; a non-streaming response arrives whole,
     so it bounds the whole generation there. `total_timeout_s` bounds every upstream read of
-    one request from its start. `keepalive_s` is how long an idle pooled connection is kept:
-    below the engine's own idle timeout (uvicorn's 5 s under vLLM), so a request never
-    lands on a connection the engine is closing. `max_answer_bytes` bounds what one answer
+    one request from its start. `keepalive_s` is how long an idle pooled connection is kept,
+    by the generation session and the control plane alike: below the engine's own idle
+    timeout (uvicorn's 5 s under vLLM), so a request never lands on a connection the engine
+    is closing. `max_answer_bytes` bounds what one answer
     may make the governor hold: a whole answer, an error body, one SSE event (give or take
     one read); past it the request fails with a 502 and its connection is closed (vLLM
     aborts the request), so a broken or hostile upstream cannot fill the governor's memory.
@@ -175,7 +176,8 @@ class VLLMDriver:
 
     async def start(self) -> None:
         self._session = open_session(self.config, self._headers)
-        self._control = ControlPlane(self.urls, self._headers)
+        self._control = ControlPlane(self.urls, self._headers,
+                                     ControlPlaneConfig(keepalive_s=self.config.keepalive_s))
         if self.kv is not None:
             await self.kv.start()
         if self._given_capabilities is None:
