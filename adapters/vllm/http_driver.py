@@ -61,10 +61,10 @@ class VLLMHTTPConfig:
     one request from its start. `keepalive_s` is how long an idle pooled connection is kept,
     by the generation session and the control plane alike: below the engine's own idle
     timeout (uvicorn's 5 s under vLLM), so a request never lands on a connection the engine
-    is closing. `max_answer_bytes` bounds what one answer
-    may make the governor hold: a whole answer, an error body, one SSE event (give or take
-    one read); past it the request fails with a 502 and its connection is closed (vLLM
-    aborts the request), so a broken or hostile upstream cannot fill the governor's memory.
+    is closing. `max_answer_bytes` bounds what one answer may make the governor hold: a
+    whole answer, an error body, one SSE event (give or take one read); past it the request
+    fails with a 502 and its connection is closed (vLLM aborts the request), so a broken or
+    hostile upstream cannot fill the governor's memory.
     """
 
     base_url: str

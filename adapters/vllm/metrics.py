@@ -53,6 +53,7 @@ CACHE_CONFIG = "vllm:cache_config_info"
 READ_FAMILIES: tuple[str, ...] = tuple(sorted({
     *(name for names in (*GAUGES.values(), *COUNTERS.values(), *HISTOGRAMS.values())
       for name in names), CACHE_CONFIG}))
+_SAMPLE_STARTS = (*READ_FAMILIES, "{")  # a read family's sample, or a quoted-name sample
 
 
 class MetricsParseError(ValueError):
@@ -80,7 +81,7 @@ def read_lines(text: str) -> str:
             if len(parts) < 3 or parts[1] not in ("HELP", "TYPE") or \
                     not parts[2].lstrip('"').startswith(READ_FAMILIES):
                 continue
-        elif not stripped.startswith((*READ_FAMILIES, "{")):
+        elif not stripped.startswith(_SAMPLE_STARTS):
             continue
         kept.append(line)
     return "\n".join(kept) + "\n" if kept else ""
