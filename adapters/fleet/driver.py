@@ -184,9 +184,25 @@ class FleetDriver:
     def route(self, request: EngineRequest) -> Decision:
         """Order the members that are up for this request (policies.routing)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
-        policy = self.config.policy
-        tokens = self.tokens.of(request) if policy is RoutingPolicy.KV_AWARE else None
+        kv_aware = self.config.policy is RoutingPolicy.KV_AWARE
+        tokens = self.tokens.of(request) if kv_aware else None
         self.tokenize_seconds.append(time.perf_counter() - started)
+        return self._rank(request, tokens, started, cpu_started)
+
+    async def route_off_loop(self, request: EngineRequest) -> Decision:
+        """`route`, a long prompt tokenised on a worker thread (`PromptTokens.of_off_loop`):
+        the same ids, while the loop goes on relaying. The decision's CPU time is then the
+        loop's part only."""
+        if self.config.policy is not RoutingPolicy.KV_AWARE or not self.tokens.is_long(request):
+            return self.route(request)
+        started = time.perf_counter()
+        tokens = await self.tokens.of_off_loop(request)
+        self.tokenize_seconds.append(time.perf_counter() - started)
+        return self._rank(request, tokens, started, time.thread_time())
+
+    def _rank(self, request: EngineRequest, tokens: PromptIds | None, started: float,
+              cpu_started: float) -> Decision:
+        policy = self.config.policy
         candidates, predicted = [], {}
         chains: dict[tuple[str | None, int], list[bytes]] = {}
         digests: dict[bytes, str | None] = {}  # this decision's namespace per index keying
@@ -243,7 +259,7 @@ class FleetDriver:
     # --- generation -------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]:
-        decision = self.route(request)
+        decision = await self.route_off_loop(request)
         if not decision.order:
             raise EngineError(503, "no upstream is up", type="ServiceUnavailable")
         member = decision.order[0]

@@ -10,6 +10,20 @@ from native_engine.model.chat_template import ChatTemplate, ChatTemplateError
 from native_engine.model.tokenizer import TextTokenizer
 from schemas.openai import AnyRequest, ChatRequest
 
+# Prompts this long are tokenised on a worker thread (the native server, the router): ~11 ms
+# of tokenising at 32 Ki characters, 0.6 s at 800 Ki.
+OFF_LOOP_CHARS = 32 << 10
+
+
+def text_size(parsed: AnyRequest) -> int:
+    """Characters the tokenizer and chat template will see."""
+    if isinstance(parsed, ChatRequest):
+        return sum(len(m.text() or "") for m in parsed.messages)
+    prompt = parsed.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt or () if isinstance(p, str))
+
 
 class PromptInvalid(ValueError):
     """The body's prompt cannot be tokenised; `param` names the field."""

@@ -47,6 +47,8 @@ from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
+from native_engine.model.tokenizer import encode_text
+
 # How far the pre-tokenizer's regex reads past the start of a match that ends at a cut.
 REGEX_LOOKAHEAD = 3
 
@@ -202,7 +204,7 @@ class TokenPrefixCache:
         return best, found
 
     def _extend(self, entry: _Text, cut: int, count: int, tail: str) -> None:
-        encoding: Encoding = self.tokenizer.encode(tail, add_special_tokens=False)
+        encoding = encode_text(self.tokenizer, tail)
         self.stats.encoded_chars += len(tail)
         entry.ids.extend(encoding.ids)
         entry.pending = (cut, count, encoding)

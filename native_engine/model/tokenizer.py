@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Encoding, Tokenizer, decoders, models, pre_tokenizers, processors
 
 # llama.cpp's pre-tokenizer names whose regex is GPT-2's with every digit split off
 # (HF: Sequence[Digits(individual_digits), ByteLevel]).
@@ -20,6 +20,15 @@ END_OF_GENERATION_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
     "<|eom_id|>", "<EOT>", "<|end_of_text|>",
 )
+
+
+def encode_text(backend: Tokenizer, text: str) -> Encoding:
+    """`backend.encode(text, add_special_tokens=False)`, without holding the GIL while it
+    works. `Tokenizer.encode` holds it throughout, so a thread tokenising a long prompt off
+    the event loop still stalled the loop (a 1 MiB prompt: 700 ms, 674 ms of it with no
+    other thread running); `encode_batch` releases it (longest stall 20 ms, the list of
+    ids being built), for the same ids and <10 % more time on a 20-character text."""
+    return backend.encode_batch([text], add_special_tokens=False)[0]
 
 
 def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -102,7 +111,7 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token texts inside it map to their ids (as in HF)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return encode_text(self.backend, text).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

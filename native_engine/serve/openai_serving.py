@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from native_engine.engine import RequestOutput
 from native_engine.model.chat_template import ChatTemplate
-from native_engine.model.prompt import PromptInvalid, prompt_token_ids
+from native_engine.model.prompt import OFF_LOOP_CHARS, PromptInvalid, prompt_token_ids, text_size
 from native_engine.model.tokenizer import TextTokenizer
 from native_engine.request import SamplingParams
 from native_engine.serve.openai_api import (
@@ -39,22 +39,9 @@ from native_engine.serve.openai_api import (
 )
 from schemas.cache_control import SpanSpec
 from schemas.engine import EngineError, StreamChunk, Usage
-from schemas.openai import AnyRequest, ChatRequest, Route
+from schemas.openai import AnyRequest, Route
 
 LogprobEntry = tuple[str, float, list[tuple[str, float]]]
-OFF_LOOP_CHARS = 32 << 10  # prompts this long are tokenised on a worker thread
-
-
-def text_size(parsed: AnyRequest) -> int:
-    """Characters the tokenizer and chat template will see."""
-    if isinstance(parsed, ChatRequest):
-        return sum(len(m.text() or "") for m in parsed.messages)
-    prompt = parsed.prompt
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(p) for p in prompt or () if isinstance(p, str))
-
-
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
     model_name: str

@@ -15,6 +15,7 @@ import zmq.asyncio
 from adapters.fleet.driver import FleetConfig, FleetDriver
 from adapters.fleet.health import HealthConfig
 from adapters.fleet.state import Upstream
+from adapters.prompt_tokens import PromptTokens
 from adapters.vllm.capabilities import CapabilityRefusedError, VLLMDeclarations
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
@@ -175,6 +176,33 @@ def stored_chain(tokens: list[int], salt: str, first_hash: int) -> dict:
             "parent_block_hash": None, "token_ids": tokens[:blocks * BLOCK],
             "block_size": BLOCK, "medium": "GPU",
             "extra_keys": [[salt], *([None] * (blocks - 1))]}
+
+
+@pytest.mark.slow
+async def test_a_long_text_prompt_is_routed_on_the_same_ids_off_the_loop(kv_fleet) -> None:
+    """A 60 KiB text prompt is tokenised on a worker thread (the loop relays meanwhile):
+    the decision is the one `route` makes on the loop, credited with b's stored blocks."""
+    fleet, (_, engine_b) = kv_fleet
+    fleet.tokens = PromptTokens.load("embedded", 1024)
+    text = "ab " * 20_000
+    request = completion(text, salt="fak1-alice")
+    assert fleet.tokens.is_long(request)
+    ids = fleet.tokens.of(request)
+    assert ids is not None
+    await engine_b.publish(batch_frames(0, [stored_chain(ids.ids[:3 * BLOCK], "fak1-alice",
+                                                         700)]))
+    b = fleet.upstream("b").driver.kv
+    await wait_for(lambda: b is not None and len(b.index()) == 3)
+    tokenized = len(fleet.tokenize_seconds)
+    off, on = await fleet.route_off_loop(request), fleet.route(request)
+    assert [m.name for m in off.order] == [m.name for m in on.order] == ["b/0", "a/0"]
+    assert off.predicted == on.predicted and off.predicted["b/0"] == 3 * BLOCK
+    assert off.prompt_tokens == on.prompt_tokens == len(ids.ids)
+    assert len(fleet.tokenize_seconds) == tokenized + 2
+    streamed = asyncio.create_task(drain(fleet, completion(text * 5, salt="fak1-alice")))
+    await asyncio.sleep(0.005)
+    assert fleet.tokens.cache_lent  # generate routes off the loop too
+    assert await streamed
 
 
 @pytest.mark.slow

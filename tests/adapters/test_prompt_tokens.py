@@ -4,6 +4,8 @@ cache is sized by `[engine.routing] tokenize_cache_entries` (0: off)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 
 from adapters.prompt_tokens import CHAINS_PER_TEXT, PromptTokens
@@ -69,3 +71,50 @@ def test_chains_equal_whole_chains_and_reuse_the_shared_blocks() -> None:
     for size in range(1, CHAINS_PER_TEXT + 3):  # a text keeps a few chains at most
         again.chain("ns-a", size)
     assert len(again.prefixed.memo) == CHAINS_PER_TEXT  # type: ignore[union-attr]
+
+
+async def test_a_long_prompt_is_tokenised_off_the_loop_with_the_cache() -> None:
+    """A 360 KiB prompt: the same ids as `of` gives, tokenised on a thread while the loop
+    keeps running; the cache goes with it (the next turn reuses it), and a prompt arriving
+    meanwhile is tokenised without it. Cancelling the caller does not return the cache
+    before the thread is done with it."""
+    tokens, whole = PromptTokens.load("embedded", 1024), PromptTokens.load("embedded")
+    assert tokens.cache is not None
+    long = request("completions", {"prompt": "ab " * 120_000})
+    short = request("completions", {"prompt": "a short one"})
+    assert tokens.is_long(long) and not tokens.is_long(short)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    ticking = asyncio.create_task(ticker())
+    work = asyncio.create_task(tokens.of_off_loop(long))
+    await asyncio.sleep(0.01)
+    assert tokens.cache_lent
+    misses = tokens.cache.stats.misses
+    meanwhile = tokens.of(short)
+    assert meanwhile is not None and meanwhile.prefixed is None
+    assert tokens.cache.stats.misses == misses
+    ticks_before = ticks
+    got = await work
+    assert ticks - ticks_before >= 20 and not tokens.cache_lent
+    want = whole.of(long)
+    assert got is not None and want is not None and got.ids == want.ids
+    assert got.prefixed is not None and len(tokens.cache) == 1
+
+    turn = request("completions", {"prompt": "ab " * 120_000 + "cd"})
+    cancelled = asyncio.create_task(tokens.of_off_loop(turn))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await cancelled
+    assert tokens.cache_lent  # the thread still has it
+    while tokens.cache_lent:
+        await asyncio.sleep(0.01)
+    assert tokens.cache.stats.hits == 1 and len(tokens.cache) == 2
+    tokens.cache.check_integrity()
+    ticking.cancel()

@@ -289,10 +289,21 @@ def test_largest_strip_body_is_refused_fast(hostile: Hostile) -> None:
 
 
 def test_engine_error_after_keepalive_is_one_sse_error(hostile: Hostile) -> None:
-    """A prompt too long for the model takes the engine a while to refuse: the stream opens
-    with keep-alives, then the error leaves as one event and [DONE], not a status line."""
+    """A prompt too long for the model takes the engine a while to refuse (tokenising 800
+    KiB): the stream opens with keep-alives, then the error leaves as one event and [DONE],
+    not a status line. Meanwhile the governor answers: tokenising on a thread that held
+    the GIL stalled its loop (and every stream) for all of it."""
     body = json.dumps({"prompt": "a " * 400_000, "max_tokens": 1, "stream": True}).encode()
+    stop, health = threading.Event(), []
+    pinger = threading.Thread(target=health_latencies, args=(hostile.url, stop, health))
+    pinger.start()
+    time.sleep(0.2)
+    started = time.perf_counter()
     answer = raw_request(hostile.url, post_head("/v1/completions", len(body)), [body])
+    took = time.perf_counter() - started
+    stop.set()
+    pinger.join()
+    assert max(health) < took / 2, (max(health), took)
     assert answer.count(b"HTTP/1.1 ") == 1, answer[:300]
     assert status_of(answer) == 200 and b": keep-alive" in answer
     events = [line for line in answer.split(b"\r\n\r\n", 1)[1].split(b"\n")
@@ -308,7 +319,9 @@ def test_disconnect_during_keepalive_wait(hostile: Hostile) -> None:
         s.sendall(post_head("/v1/completions", len(body)) + body)
         seen = b""
         while b"keep-alive" not in seen:
-            seen += s.recv(4096)
+            data = s.recv(4096)
+            assert data, seen[:300]  # the answer ended without a keep-alive
+            seen += data
     time.sleep(1.0)
     assert "already running" not in hostile.served.log()
     assert_healthy(hostile)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -124,3 +127,32 @@ def test_smollm_chat_template(smollm_tokenizer: tuple) -> None:
     assert default_system.startswith("<|im_start|>system\nYou are a helpful AI assistant")
     ids = tok.encode(template.render(SYSTEM_USER))
     assert ids[0] == 1 and ids.count(2) == 2 and ids[-4:] == tok.encode("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_encoding_leaves_other_threads_running(smollm_tokenizer: tuple) -> None:
+    """A long prompt tokenised on a worker thread must not stall the event loop's thread:
+    `Tokenizer.encode` held the GIL throughout (0 to 1 ticks of a 1 ms sleeper in ~0.6 s),
+    `encode_text` lets it run. The ids are `Tokenizer.encode`'s."""
+    tok, _ = smollm_tokenizer
+    for text in ("Hello, world! <|im_end|> 2024", "naïve café — 東京 🙂 " * 50):
+        assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
+    ticks, done = [], threading.Event()
+
+    def ticker() -> None:
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks.append(time.perf_counter())
+
+    long = "a " * 400_000
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.05)
+    started = time.perf_counter()
+    ids = tok.encode(long)
+    ended = time.perf_counter()
+    done.set()
+    thread.join()
+    assert len(ids) == 400_001
+    during = [t for t in ticks if started < t < ended]
+    assert len(during) >= 20, (len(during), ended - started)
