@@ -135,7 +135,7 @@ def test_encoding_leaves_other_threads_running(smollm_tokenizer: tuple) -> None:
     `Tokenizer.encode` held the GIL throughout (0 to 1 ticks of a 1 ms sleeper in ~0.6 s),
     `encode_text` lets it run. The ids are `Tokenizer.encode`'s."""
     tok, _ = smollm_tokenizer
-    for text in ("Hello, world! <|im_end|> 2024", "naïve café — 東京 🙂 " * 50):
+    for text in ("Hello, world! <|im_end|> 2024", "naïve café — 東京 🙂 <|im_start|>" * 300):
         assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
     ticks, done = [], threading.Event()
 
