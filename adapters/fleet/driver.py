@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adapters.driver import CacheMember
-from adapters.prompt_tokens import PromptIds, PromptTokens
+from adapters.prompt_tokens import ChainKey, PromptIds, PromptTokens
 from adapters.vllm.cache_control import VLLMCacheControl
 from adapters.vllm.capabilities import CapabilityRefusedError, UpstreamUnreachable
 from adapters.vllm.kv_subscriber import SyncState
@@ -196,22 +196,31 @@ class FleetDriver:
         if self.config.policy is not RoutingPolicy.KV_AWARE or not self.tokens.is_long(request):
             return self.route(request)
         started = time.perf_counter()
-        tokens = await self.tokens.of_off_loop(request)
+        tokens = await self.tokens.of_off_loop(request, self._chain_keys(request.cache_salt))
         self.tokenize_seconds.append(time.perf_counter() - started)
         return self._rank(request, tokens, started, time.thread_time())
+
+    def _chain_keys(self, salt: str | None) -> set[ChainKey]:
+        """The (namespace digest, block size) of every member `_rank` will match in."""
+        keys = set()
+        for member in self.members:
+            kv = member.upstream.driver.kv
+            if member.upstream.up and kv is not None:
+                keys.add((kv.index(member.rank).namespace_id(salt),
+                          member.upstream.driver.capabilities.block_size or 1))
+        return keys
 
     def _rank(self, request: EngineRequest, tokens: PromptIds | None, started: float,
               cpu_started: float) -> Decision:
         policy = self.config.policy
         candidates, predicted = [], {}
-        chains: dict[tuple[str | None, int], list[bytes]] = {}
         digests: dict[bytes, str | None] = {}  # this decision's namespace per index keying
         for index, member in enumerate(self.members):
             if not member.upstream.up:
                 continue
             block_size = member.upstream.driver.capabilities.block_size or 1
             overlap, synced = self._overlap(member, request.cache_salt, tokens, block_size,
-                                            chains, digests)
+                                            digests)
             candidates.append(Candidate(index, block_size, overlap, synced, member.in_flight,
                                         member.engine_load))
             if tokens is not None:
@@ -228,7 +237,6 @@ class FleetDriver:
 
     @staticmethod
     def _overlap(member: Member, salt: str | None, tokens: PromptIds | None, block_size: int,
-                 chains: dict[tuple[str | None, int], list[bytes]],
                  digests: dict[bytes, str | None]) -> tuple[int, bool]:
         kv = member.upstream.driver.kv
         if kv is None or tokens is None or not tokens.ids:
@@ -237,9 +245,7 @@ class FleetDriver:
         if index.keying not in digests:
             digests[index.keying] = index.namespace_id(salt)
         namespace = digests[index.keying]
-        chain = chains.get((namespace, block_size))
-        if chain is None:
-            chain = chains[(namespace, block_size)] = tokens.chain(namespace, block_size)
+        chain = tokens.chain(namespace, block_size)  # once per request and key
         return index.matched_blocks(chain), kv.state(member.rank) is SyncState.SYNCED
 
     def routing_view(self) -> dict[str, Any]:

@@ -92,7 +92,7 @@ async def test_a_long_prompt_is_tokenised_off_the_loop_with_the_cache() -> None:
             ticks += 1
 
     ticking = asyncio.create_task(ticker())
-    work = asyncio.create_task(tokens.of_off_loop(long))
+    work = asyncio.create_task(tokens.of_off_loop(long, [("ns-a", 16), ("ns-b", 32)]))
     await asyncio.sleep(0.01)
     assert tokens.cache_lent
     misses = tokens.cache.stats.misses
@@ -105,6 +105,8 @@ async def test_a_long_prompt_is_tokenised_off_the_loop_with_the_cache() -> None:
     want = whole.of(long)
     assert got is not None and want is not None and got.ids == want.ids
     assert got.prefixed is not None and len(tokens.cache) == 1
+    assert got.chains == {key: prompt_chain(key[0], want.ids, key[1])  # hashed there too
+                          for key in (("ns-a", 16), ("ns-b", 32))}
 
     turn = request("completions", {"prompt": "ab " * 120_000 + "cd"})
     cancelled = asyncio.create_task(tokens.of_off_loop(turn))
