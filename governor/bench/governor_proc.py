@@ -1,14 +1,17 @@
-"""A governor (`fak serve --config CONFIG`) started for the length of a benchmark, on a free
-loopback port, with its own fresh data directory (a new salt key, its own audit log) under
-the run's output directory, so a benchmark never touches an operator's state. Its log is
-kept beside the results; its CPU time is read from /proc for the overhead figures."""
+"""A governor (`fak serve --config CONFIG`) started for the length of a benchmark, on
+loopback ports it binds itself (port 0: a port chosen here and bound later could be taken
+meanwhile, and the metrics listener's default, port + 1, was never checked at all; a test run hit
+"address already in use"), with its own fresh data directory (a new salt key, its own
+audit log) under the run's output directory, so a benchmark never touches an operator's
+state. Its log is kept beside the results; its CPU time is read from /proc for the
+overhead figures."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +26,7 @@ from governor.bench.config import BenchConfigError
 from governor.config import GovernorConfig, load_config
 
 STARTUP_TIMEOUT_S = 120.0
+SERVING = re.compile(rb"fak: serving on (http://\S+) ")
 
 
 class GovernorStartError(RuntimeError):
@@ -41,12 +45,6 @@ class GovernorProcess:
         fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks = os.sysconf("SC_CLK_TCK")
         return (int(fields[11]) + int(fields[12])) / ticks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path, chars: int = 3000) -> str:
@@ -79,36 +77,35 @@ def check_tenant_caps(config_path: Path, keys: Sequence[str], level: int, *,
 @contextlib.contextmanager
 def running_governor(config_path: Path, workdir: Path) -> Iterator[GovernorProcess]:
     config = load_config(config_path)
-    port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "governor.log"
     cmd = [sys.executable, "-m", "governor.cli", "serve", "--config", str(config_path),
-           "--host", "127.0.0.1", "--port", str(port), "--data-dir",
+           "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--data-dir",
            str(workdir / "governor-data"), "--init-key"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    gov = GovernorProcess(f"http://127.0.0.1:{port}", config, log_path, proc)
     try:
-        _wait_ready(gov)
-        yield gov
+        yield GovernorProcess(_wait_ready(proc, log_path), config, log_path, proc)
     finally:
         _stop(proc)
 
 
-def _wait_ready(gov: GovernorProcess) -> None:
+def _wait_ready(proc: subprocess.Popen[bytes], log_path: Path) -> str:
+    """The governor's URL, once it says where it serves and answers /ready there."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     with httpx.Client(timeout=2.0, trust_env=False) as client:
         while time.monotonic() < deadline:
-            if gov.process.poll() is not None:
-                raise GovernorStartError(f"governor exited with {gov.process.returncode}:\n"
-                                         f"{_tail(gov.log_path)}")
+            if proc.poll() is not None:
+                raise GovernorStartError(f"governor exited with {proc.returncode}:\n"
+                                         f"{_tail(log_path)}")
+            serving = SERVING.search(log_path.read_bytes())
             with contextlib.suppress(httpx.TransportError):
-                if client.get(f"{gov.url}/ready").status_code == 200:
-                    return
+                if serving and client.get(f"{serving[1].decode()}/ready").status_code == 200:
+                    return serving[1].decode()
             time.sleep(0.2)
     raise GovernorStartError(f"governor not ready after {STARTUP_TIMEOUT_S:.0f} s:\n"
-                             f"{_tail(gov.log_path)}")
+                             f"{_tail(log_path)}")
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
