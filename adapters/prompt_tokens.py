@@ -15,11 +15,12 @@ prompt shares with an earlier text of the tenant are not hashed again either: a 
 costs what the new tokens cost, however long the shared part (a long conversation's next
 turn, a long system prompt).
 
-A long prompt (`OFF_LOOP_CHARS`) is tokenised on a worker thread (`of_off_loop`): 0.6 s of
-tokenising an 800 KiB prompt on the event loop stalled every stream the governor relays.
-The cache goes to that thread with it, one owner at a time (the cache is not thread-safe):
-prompts arriving meanwhile are tokenised without it, and a second long one on a thread of
-its own. Its block-hash chains are hashed there too (18-39 ms a chain at 400 Ki tokens).
+A long prompt (`OFF_LOOP_CHARS` of text, `OFF_LOOP_IDS` token ids) is tokenised or
+checked on a worker thread (`of_off_loop`): 0.6 s of tokenising an 800 KiB prompt on the
+event loop stalled every stream the governor relays. The cache goes to that thread with
+it, one owner at a time (the cache is not thread-safe): prompts arriving meanwhile are
+tokenised without it, and a second long one on a thread of its own. Its block-hash chains
+are hashed there too (18-39 ms a chain at 400 Ki tokens).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from dataclasses import dataclass, field
 
 from adapters.vllm.shadow_index import prompt_chain
 from native_engine.model.chat_template import ChatTemplate
-from native_engine.model.prompt import OFF_LOOP_CHARS, PromptInvalid, prompt_token_ids, text_size
+from native_engine.model.prompt import (
+    OFF_LOOP_CHARS,
+    OFF_LOOP_IDS,
+    PromptInvalid,
+    id_count,
+    prompt_token_ids,
+    text_size,
+)
 from native_engine.model.token_prefix_cache import PrefixedIds, TokenPrefixCache
 from native_engine.model.tokenizer import TextTokenizer
 from schemas.engine import EngineRequest
@@ -108,8 +116,11 @@ class PromptTokens:
         return self._of(request, None if self.cache_lent else self.cache)
 
     def is_long(self, request: EngineRequest) -> bool:
-        """Whether `of_off_loop` would tokenise this request's prompt on a thread."""
-        return self.tokenizer is not None and text_size(request.body) >= OFF_LOOP_CHARS
+        """Whether `of_off_loop` would take this request's prompt to a thread: a text the
+        tokenizer would spend milliseconds on, or token ids whose chain would."""
+        body = request.body
+        return id_count(body) >= OFF_LOOP_IDS or (self.tokenizer is not None
+                                                  and text_size(body) >= OFF_LOOP_CHARS)
 
     async def of_off_loop(self, request: EngineRequest,
                           chains: Iterable[ChainKey] = ()) -> PromptIds | None:

@@ -15,6 +15,23 @@ from schemas.openai import AnyRequest, ChatRequest
 OFF_LOOP_CHARS = 32 << 10
 
 
+# Token-id prompts this long too: checking 400 Ki ids took 41 ms, hashing their chain for
+# the router 18-39 ms.
+OFF_LOOP_IDS = 8192
+
+
+def off_loop(parsed: AnyRequest) -> bool:
+    """Whether turning this body into token ids is worth a worker thread."""
+    return text_size(parsed) >= OFF_LOOP_CHARS or id_count(parsed) >= OFF_LOOP_IDS
+
+
+def id_count(parsed: AnyRequest) -> int:
+    """Items of a list prompt (token ids as given); 0 for a text or chat."""
+    if isinstance(parsed, ChatRequest) or not isinstance(parsed.prompt, list):
+        return 0
+    return len(parsed.prompt)
+
+
 def text_size(parsed: AnyRequest) -> int:
     """Characters the tokenizer and chat template will see."""
     if isinstance(parsed, ChatRequest):
@@ -53,7 +70,8 @@ def prompt_token_ids(parsed: AnyRequest, tokenizer: TextTokenizer,
     if isinstance(prompt, str) and prompt:
         return encode(prompt)
     if isinstance(prompt, list) and prompt:
-        ids = [t for t in prompt if isinstance(t, int) and 0 <= t < tokenizer.vocab_size]
+        vocab = tokenizer.vocab_size  # once: 0.7 µs a call, 330 ms over 400 Ki ids
+        ids = [t for t in prompt if isinstance(t, int) and 0 <= t < vocab]
         if len(ids) == len(prompt):
             return ids
     raise PromptInvalid("'prompt' must be a non-empty string or a list of token ids (one "

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from native_engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from native_engine.engine import RequestOutput
 from native_engine.model.chat_template import ChatTemplate
-from native_engine.model.prompt import OFF_LOOP_CHARS, PromptInvalid, prompt_token_ids, text_size
+from native_engine.model.prompt import PromptInvalid, off_loop, prompt_token_ids
 from native_engine.model.tokenizer import TextTokenizer
 from native_engine.request import SamplingParams
 from native_engine.serve.openai_api import (
@@ -130,9 +130,9 @@ class OpenAIServing:
     async def prepare_off_loop(self, route: Route, parsed: AnyRequest,
                                namespace: str | None, priority: int | None,
                                cache_group: str | None = None) -> Prepared:
-        """`prepare_parsed`, on a worker thread when the text is long: tokenising a large
-        prompt must not stall every other request on the event loop."""
-        if text_size(parsed) < OFF_LOOP_CHARS:
+        """`prepare_parsed`, on a worker thread when the text or id list is long:
+        tokenising or checking a large prompt must not stall every request on the loop."""
+        if not off_loop(parsed):
             return self.prepare_parsed(route, parsed, namespace, priority, cache_group)
         return await asyncio.to_thread(self.prepare_parsed, route, parsed, namespace, priority,
                                        cache_group)

@@ -312,6 +312,25 @@ def test_engine_error_after_keepalive_is_one_sse_error(hostile: Hostile) -> None
     assert events[-1] == b"data: [DONE]"
 
 
+def test_a_long_token_id_prompt_does_not_stall_the_governor(hostile: Hostile) -> None:
+    """330,000 token ids (1 MiB): checked off the event loop. Checking them on it took
+    ~0.3 s (the vocabulary size read per id) while /health and every stream waited."""
+    body = json.dumps({"prompt": [1] * 330_000, "max_tokens": 1}).encode()
+    assert len(body) < 1 << 20
+    stop, health = threading.Event(), []
+    pinger = threading.Thread(target=health_latencies, args=(hostile.url, stop, health))
+    pinger.start()
+    time.sleep(0.2)
+    started = time.perf_counter()
+    r = hostile.post("/v1/completions", content=body,
+                     headers={"Content-Type": "application/json"})
+    took = time.perf_counter() - started
+    stop.set()
+    pinger.join()
+    assert_error(r, 400, "input_tokens")
+    assert max(health) < took / 2, (max(health), took)
+
+
 def test_disconnect_during_keepalive_wait(hostile: Hostile) -> None:
     body = json.dumps({"prompt": "a " * 400_000, "max_tokens": 1, "stream": True}).encode()
     split = urlsplit(hostile.url)
