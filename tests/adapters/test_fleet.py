@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
-from adapters import prompt_tokens
 from adapters.fleet.driver import FleetConfig, FleetDriver
 from adapters.fleet.health import HealthConfig
 from adapters.fleet.state import Upstream
@@ -182,7 +181,7 @@ def stored_chain(tokens: list[int], salt: str, first_hash: int) -> dict:
 
 @pytest.mark.slow
 async def test_a_long_text_prompt_is_routed_on_the_same_ids_off_the_loop(
-        kv_fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+        kv_fleet, chain_threads: list[threading.Thread]) -> None:
     """A 60 KiB text prompt is tokenised on a worker thread (the loop relays meanwhile):
     the decision is the one `route` makes on the loop, credited with b's stored blocks;
     its chain is hashed on that thread as well."""
@@ -198,16 +197,8 @@ async def test_a_long_text_prompt_is_routed_on_the_same_ids_off_the_loop(
     b = fleet.upstream("b").driver.kv
     await wait_for(lambda: b is not None and len(b.index()) == 3)
     tokenized = len(fleet.tokenize_seconds)
-    hashed_on: list[threading.Thread] = []
-    real_chain = prompt_tokens.prompt_chain
-
-    def chain(*args: object) -> list[bytes]:
-        hashed_on.append(threading.current_thread())
-        return real_chain(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(prompt_tokens, "prompt_chain", chain)
     off = await fleet.route_off_loop(request)
-    assert hashed_on and threading.main_thread() not in hashed_on  # the chain too
+    assert chain_threads and threading.main_thread() not in chain_threads  # the chain too
     on = fleet.route(request)
     assert [m.name for m in off.order] == [m.name for m in on.order] == ["b/0", "a/0"]
     assert off.predicted == on.predicted and off.predicted["b/0"] == 3 * BLOCK

@@ -9,7 +9,6 @@ import contextlib
 import random
 import threading
 
-from adapters import prompt_tokens
 from adapters.prompt_tokens import CHAINS_PER_TEXT, PromptTokens
 from adapters.vllm.shadow_index import prompt_chain
 from governor.config import RoutingSection
@@ -124,17 +123,11 @@ async def test_a_long_prompt_is_tokenised_off_the_loop_with_the_cache() -> None:
     ticking.cancel()
 
 
-async def test_a_long_token_id_prompt_is_hashed_off_the_loop(monkeypatch) -> None:
+async def test_a_long_token_id_prompt_is_hashed_off_the_loop(
+        chain_threads: list[threading.Thread]) -> None:
     """Without a tokenizer too: 400 Ki token ids are checked and their chain hashed on a
     worker thread; a short one stays on the loop."""
-    hashed_on: list[threading.Thread] = []
-    real_chain = prompt_tokens.prompt_chain
-
-    def chain(*args: object) -> list[bytes]:
-        hashed_on.append(threading.current_thread())
-        return real_chain(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(prompt_tokens, "prompt_chain", chain)
+    hashed_on = chain_threads
     for tokens in (PromptTokens.load(None), PromptTokens.load("embedded", 64)):
         ids = [i % 49152 for i in range(400_000)]
         long, short = request("completions", {"prompt": ids}), request(
@@ -142,7 +135,7 @@ async def test_a_long_token_id_prompt_is_hashed_off_the_loop(monkeypatch) -> Non
         assert tokens.is_long(long) and not tokens.is_long(short)
         got = await tokens.of_off_loop(long, [("ns", 16)])
         assert got is not None and got.ids == ids
-        assert got.chains[("ns", 16)] == real_chain("ns", ids, 16)
+        assert got.chains[("ns", 16)] == prompt_chain("ns", ids, 16)
         assert hashed_on and threading.main_thread() not in hashed_on
         hashed_on.clear()
         assert (await tokens.of_off_loop(short, [("ns", 16)])).ids == ids[:100]  # type: ignore[union-attr]
