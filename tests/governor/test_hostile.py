@@ -35,6 +35,7 @@ from tests.integration.native_server import (
 )
 
 from .fak_serve_process import FakServe, start_fak_serve, stop_fak_serve, write_config
+from .loop_probe import health_latencies
 
 pytestmark = pytest.mark.slow
 
@@ -246,15 +247,6 @@ def test_bodies_are_read_whole(hostile: Hostile) -> None:
 
 
 # -- 3. strip mode is linear and capped ------------------------------------------------------
-
-
-def health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
-    """`/health` round trips, back to back: how long the event loop keeps answering."""
-    with httpx.Client(timeout=30) as client:
-        while not stop.is_set():
-            start = time.perf_counter()
-            client.get(url + "/health")
-            out.append(time.perf_counter() - start)
 
 
 def test_largest_strip_body_is_refused_fast(hostile: Hostile) -> None:
