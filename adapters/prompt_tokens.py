@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 from adapters.vllm.shadow_index import prompt_chain
 from native_engine.model.chat_template import ChatTemplate
 from native_engine.model.prompt import (
-    OFF_LOOP_CHARS,
     OFF_LOOP_IDS,
     PromptInvalid,
     id_count,
+    off_loop,
     prompt_token_ids,
-    text_size,
 )
 from native_engine.model.token_prefix_cache import PrefixedIds, TokenPrefixCache
 from native_engine.model.tokenizer import TextTokenizer
@@ -118,18 +117,16 @@ class PromptTokens:
     def is_long(self, request: EngineRequest) -> bool:
         """Whether `of_off_loop` would take this request's prompt to a thread: a text the
         tokenizer would spend milliseconds on, or token ids whose chain would."""
-        body = request.body
-        return id_count(body) >= OFF_LOOP_IDS or (self.tokenizer is not None
-                                                  and text_size(body) >= OFF_LOOP_CHARS)
+        if self.tokenizer is None:  # no text is tokenised here
+            return id_count(request.body) >= OFF_LOOP_IDS
+        return off_loop(request.body)
 
     async def of_off_loop(self, request: EngineRequest,
                           chains: Iterable[ChainKey] = ()) -> PromptIds | None:
-        """`of`, on a worker thread for a long prompt, with the cache unless another long
-        prompt has it, and the `chains` the caller will ask for hashed there too (400 Ki
-        tokens: 18-39 ms a chain). The cache comes back when the thread is done, even if the
-        caller was cancelled before (the thread cannot be)."""
-        if not self.is_long(request):
-            return self.of(request)
+        """`of` on a worker thread (for a prompt `is_long` names), with the cache unless
+        another long prompt has it, and the `chains` the caller will ask for hashed there
+        too (400 Ki tokens: 18-39 ms a chain). The cache comes back when the thread is done,
+        even if the caller was cancelled before (the thread cannot be)."""
         if self.cache is None or self.cache_lent:
             return await asyncio.to_thread(self._of_chained, request, None, list(chains))
         self.cache_lent = True

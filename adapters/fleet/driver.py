@@ -202,13 +202,22 @@ class FleetDriver:
 
     def _chain_keys(self, salt: str | None) -> set[ChainKey]:
         """The (namespace digest, block size) of every member `_rank` will match in."""
-        keys = set()
-        for member in self.members:
-            kv = member.upstream.driver.kv
-            if member.upstream.up and kv is not None:
-                keys.add((kv.index(member.rank).namespace_id(salt),
-                          member.upstream.driver.capabilities.block_size or 1))
-        return keys
+        digests: dict[bytes, str | None] = {}
+        return {key for member in self.members if member.upstream.up
+                and (key := self._chain_key(member, salt, digests)) is not None}
+
+    @staticmethod
+    def _chain_key(member: Member, salt: str | None,
+                   digests: dict[bytes, str | None]) -> ChainKey | None:
+        """Where `member` matches a prompt: its index's namespace digest for `salt` (once
+        per keying in `digests`) and its block size; None without KV events."""
+        kv = member.upstream.driver.kv
+        if kv is None:
+            return None
+        index = kv.index(member.rank)
+        if index.keying not in digests:
+            digests[index.keying] = index.namespace_id(salt)
+        return digests[index.keying], member.upstream.driver.capabilities.block_size or 1
 
     def _rank(self, request: EngineRequest, tokens: PromptIds | None, started: float,
               cpu_started: float) -> Decision:
@@ -219,8 +228,7 @@ class FleetDriver:
             if not member.upstream.up:
                 continue
             block_size = member.upstream.driver.capabilities.block_size or 1
-            overlap, synced = self._overlap(member, request.cache_salt, tokens, block_size,
-                                            digests)
+            overlap, synced = self._overlap(member, request.cache_salt, tokens, digests)
             candidates.append(Candidate(index, block_size, overlap, synced, member.in_flight,
                                         member.engine_load))
             if tokens is not None:
@@ -235,18 +243,17 @@ class FleetDriver:
         return Decision(tuple(self.members[i] for i in order),
                         {self.members[i].name: p for i, p in predicted.items()}, prompt_tokens)
 
-    @staticmethod
-    def _overlap(member: Member, salt: str | None, tokens: PromptIds | None, block_size: int,
+    @classmethod
+    def _overlap(cls, member: Member, salt: str | None, tokens: PromptIds | None,
                  digests: dict[bytes, str | None]) -> tuple[int, bool]:
-        kv = member.upstream.driver.kv
-        if kv is None or tokens is None or not tokens.ids:
+        if tokens is None or not tokens.ids:
             return 0, False
-        index = kv.index(member.rank)
-        if index.keying not in digests:
-            digests[index.keying] = index.namespace_id(salt)
-        namespace = digests[index.keying]
-        chain = tokens.chain(namespace, block_size)  # once per request and key
-        return index.matched_blocks(chain), kv.state(member.rank) is SyncState.SYNCED
+        key, kv = cls._chain_key(member, salt, digests), member.upstream.driver.kv
+        if key is None or kv is None:
+            return 0, False
+        chain = tokens.chain(*key)  # once per request and key
+        return kv.index(member.rank).matched_blocks(chain), \
+            kv.state(member.rank) is SyncState.SYNCED
 
     def routing_view(self) -> dict[str, Any]:
         """The policy, the median cost of the last routing decisions (whole, in wall and in

@@ -1,10 +1,10 @@
 """A governor (`fak serve --config CONFIG`) started for the length of a benchmark, on
 loopback ports it binds itself (port 0: a port chosen here and bound later could be taken
-meanwhile, and the metrics listener's default, port + 1, was never checked at all; a test run hit
-"address already in use"), with its own fresh data directory (a new salt key, its own
-audit log) under the run's output directory, so a benchmark never touches an operator's
-state. Its log is kept beside the results; its CPU time is read from /proc for the
-overhead figures."""
+meanwhile, and the metrics listener's default, port + 1, was never checked at all; a test
+run hit "address already in use"), with its own fresh data directory (a new salt key, its
+own audit log) under the run's output directory, so a benchmark never touches an
+operator's state. Its log is kept beside the results; its CPU time is read from /proc for
+the overhead figures."""
 
 from __future__ import annotations
 

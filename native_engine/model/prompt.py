@@ -13,8 +13,6 @@ from schemas.openai import AnyRequest, ChatRequest
 # Prompts this long are tokenised on a worker thread (the native server, the router): ~11 ms
 # of tokenising at 32 Ki characters, 0.6 s at 800 Ki.
 OFF_LOOP_CHARS = 32 << 10
-
-
 # Token-id prompts this long too: checking 400 Ki ids took 41 ms, hashing their chain for
 # the router 18-39 ms.
 OFF_LOOP_IDS = 8192

@@ -221,17 +221,17 @@ class TokenPrefixCache:
             return
         cut, count, encoding, token = entry.pending
         chars, word = encoding.token_to_chars, encoding.token_to_word
-        before = chars(token - 1)
+        before, before_word = chars(token - 1), word(token - 1)
         while token < len(encoding):
-            here = chars(token)
+            here, here_word = chars(token), word(token)
             assert before is not None and here is not None  # one sequence: every token
             if cut + here[0] > limit:
                 entry.pending = (cut, count, encoding, token)
                 return
-            if word(token) != word(token - 1) and before[1] == here[0]:
+            if here_word != before_word and before[1] == here[0]:
                 entry.cuts.append(cut + here[0])
                 entry.counts.append(count + token)
-            before, token = here, token + 1
+            before, before_word, token = here, here_word, token + 1
         entry.pending = None
 
     def _remember(self, entry: _Text, keys: list[int]) -> None:

@@ -42,6 +42,8 @@ from schemas.engine import EngineError, StreamChunk, Usage
 from schemas.openai import AnyRequest, Route
 
 LogprobEntry = tuple[str, float, list[tuple[str, float]]]
+
+
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
     model_name: str

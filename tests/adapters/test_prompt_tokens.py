@@ -138,5 +138,5 @@ async def test_a_long_token_id_prompt_is_hashed_off_the_loop(
         assert got.chains[("ns", 16)] == prompt_chain("ns", ids, 16)
         assert hashed_on and threading.main_thread() not in hashed_on
         hashed_on.clear()
-        assert (await tokens.of_off_loop(short, [("ns", 16)])).ids == ids[:100]  # type: ignore[union-attr]
-        assert not hashed_on  # nothing hashed yet: `of` on the loop, the chain when asked
+        assert tokens.of(short).ids == ids[:100]  # type: ignore[union-attr]
+        assert not hashed_on  # on the loop, the chain only when asked
