@@ -63,7 +63,7 @@ class ClientSaltRejected(GovernorError):
 
 def prepare(route: Route, value: Any, inputs: PipelineInputs, caps: EngineCapabilities,
             tenant: str, request_id: str, salt: str | None,
-            priority: int | None) -> Prepared:
+            priority: int | None, body_bytes: int = 0) -> Prepared:
     value, stripped = _client_salts(value, inputs.client_salts)
     try:
         body = parse_request(route, value)
@@ -82,7 +82,7 @@ def prepare(route: Route, value: Any, inputs: PipelineInputs, caps: EngineCapabi
     wants_usage = bool(body.stream and body.stream_options is not None
                        and body.stream_options.include_usage)
     forwarded = _forwarded(body, caps.model_id, max_tokens, drop)
-    request = EngineRequest(request_id, route, forwarded, tenant, salt, priority)
+    request = EngineRequest(request_id, route, forwarded, tenant, salt, priority, body_bytes)
     return Prepared(request, wants_usage, stripped)
 
 

@@ -70,15 +70,15 @@ class Governor:
         return known[1]
 
     def prepare(self, tenant: TenantConfig, route: Route, value: Any,
-                request_id: str) -> Prepared:
+                request_id: str, body_bytes: int = 0) -> Prepared:
         """The pipeline (governor.pipeline) with this tenant's inputs, salt and priority;
-        client salts are counted and audited."""
+        client salts are counted and audited. `body_bytes`: the raw body's size."""
         caps = self.driver.capabilities
         salt = self.salt_for(tenant.id) if caps.cache_salt else None
         priority = engine_priority(self.priorities, tenant.tenant_class, caps)
         try:
             prepared = prepare(route, value, self.inputs[tenant.id], caps, tenant.id,
-                               request_id, salt, priority)
+                               request_id, salt, priority, body_bytes)
         except ClientSaltRejected:
             self.note_client_salt(tenant.id, "rejected", request_id)
             raise
@@ -93,7 +93,7 @@ class Governor:
             value = load_json(raw)
         except RequestInvalid as exc:
             raise bad_request(exc.message, exc.param) from None
-        return self.prepare(tenant, route, value, request_id)
+        return self.prepare(tenant, route, value, request_id, len(raw))
 
     def note_client_salt(self, tenant_id: str, action: str, request_id: str) -> None:
         """Counted, and audited as a periodic per-tenant summary (a tenant cannot flood the

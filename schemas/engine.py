@@ -59,6 +59,11 @@ class EngineCapabilities:
     notes: tuple[str, ...] = ()
 
 
+# Client bodies this large are parsed and checked, and encoded for an engine, on a worker
+# thread: the work grows with the body and would stall every other request on the loop.
+OFF_LOOP_BYTES = 64 << 10
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One generation request as the governor hands it to a driver.
@@ -66,7 +71,8 @@ class EngineRequest:
     `body` is the typed OpenAI body after the governor's checks: no client salt, no client
     priority, `max_tokens` set, streams asking for usage. `cache_salt` is the governor's
     salt (None only for engines without prefix caching); `priority` is the engine-direction
-    value, None when the capability is off.
+    value, None when the capability is off. `body_bytes` is the size of the client body it
+    came from (0 for the governor's own requests).
     """
 
     request_id: str
@@ -75,6 +81,7 @@ class EngineRequest:
     tenant: str
     cache_salt: str | None
     priority: int | None = None
+    body_bytes: int = 0
 
     @property
     def stream(self) -> bool:

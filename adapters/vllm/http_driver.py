@@ -31,9 +31,16 @@ from typing import Any, TypeVar
 
 import aiohttp
 import httpx
+import orjson
 from yarl import URL
 
-from schemas.engine import EngineCapabilities, EngineError, EngineRequest, StreamChunk
+from schemas.engine import (
+    OFF_LOOP_BYTES,
+    EngineCapabilities,
+    EngineError,
+    EngineRequest,
+    StreamChunk,
+)
 
 from .cache_control import VLLMCacheControl
 from .capabilities import CapabilityRefusedError, VLLMDeclarations, probe_capabilities
@@ -120,9 +127,20 @@ def forwarded_body(
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
-    """The JSON bytes sent upstream (the same bytes httpx's `json=` wrote)."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"),
-                      allow_nan=False).encode()
+    """The JSON bytes sent upstream: compact UTF-8, through orjson (4 us → 0.2 us for a
+    short body; 65 → 5 ms for 975,000 token ids, time the GIL is held), or the standard
+    library for what orjson refuses (integers past 64 bits). Both write the same values:
+    every float is finite here (request_fields bounds each typed one; `wire()` writes a
+    non-finite untyped one as null)."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"),
+                          allow_nan=False).encode()
+
+
+def forwarded_bytes(request: EngineRequest, priority_scheduling: bool, model_id: str) -> bytes:
+    return encode_body(forwarded_body(request, priority_scheduling, model_id))
 
 
 def open_session(config: VLLMHTTPConfig, headers: dict[str, str]) -> aiohttp.ClientSession:
@@ -342,8 +360,12 @@ class VLLMDriver:
         url = self._generation_urls.get(request.route)
         if url is None:
             raise ForbiddenURLError(f"unknown generation route {request.route!r}")
-        body = encode_body(forwarded_body(
-            request, self.capabilities.priority_scheduling, self.capabilities.model_id))
+        caps = self.capabilities
+        if request.body_bytes < OFF_LOOP_BYTES:
+            body = forwarded_bytes(request, caps.priority_scheduling, caps.model_id)
+        else:  # dumping a large body must not stall every other request
+            body = await asyncio.to_thread(forwarded_bytes, request, caps.priority_scheduling,
+                                           caps.model_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.total_timeout_s
         first_byte = min(deadline, loop.time() + self.config.first_byte_timeout_s)

@@ -18,9 +18,8 @@ from governor.errors import GovernorError, unauthenticated
 from governor.http.common import GOVERNOR_KEY, read_body
 from governor.http.relay import Relay, relay_once, relay_stream
 from policies.salts import find_client_salt_headers
+from schemas.engine import OFF_LOOP_BYTES
 from schemas.openai import Route
-
-OFF_LOOP_BYTES = 64 << 10  # bodies this large are parsed and checked on a worker thread
 
 
 def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

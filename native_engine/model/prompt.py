@@ -16,10 +16,15 @@ OFF_LOOP_CHARS = 32 << 10
 # Token-id prompts this long too: checking 400 Ki ids took 41 ms, hashing their chain for
 # the router 18-39 ms.
 OFF_LOOP_IDS = 8192
+# Chats of this many messages too, however short: each costs ~6 us to dump and render
+# through the template, so 3,580 messages of "hi" held the loop ~60 ms.
+OFF_LOOP_MESSAGES = 256
 
 
 def off_loop(parsed: AnyRequest) -> bool:
     """Whether turning this body into token ids is worth a worker thread."""
+    if isinstance(parsed, ChatRequest) and len(parsed.messages) >= OFF_LOOP_MESSAGES:
+        return True
     return text_size(parsed) >= OFF_LOOP_CHARS or id_count(parsed) >= OFF_LOOP_IDS
 
 

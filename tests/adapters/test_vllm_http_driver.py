@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
+import threading
+from typing import Any
 
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 
 from adapters.driver import EngineDriver
-from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
+from adapters.vllm import http_driver
+from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig, encode_body
 from adapters.vllm.urls import PUBLIC_SURFACES
-from schemas.engine import EngineCapabilities, EngineError, EngineRequest
+from schemas.engine import OFF_LOOP_BYTES, EngineCapabilities, EngineError, EngineRequest
 from tests.adapters.vllm_imitation import (
     SALT_RULE,
     SSE_LINES,
@@ -103,6 +109,38 @@ async def test_salt_is_ours_and_priority_only_when_declared(state) -> None:
     async with running(prio_state, caps) as driver:
         await collect(driver, req(body, "tenant-b", priority=3))
     assert prio_state.received[-1][3]["priority"] == 3
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 80), 1 << 80)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=30)
+
+
+@given(st.dictionaries(st.text(), JSON_VALUES, max_size=6))
+def test_the_encoded_body_reads_back_as_the_same_values(body: dict[str, Any]) -> None:
+    """orjson where it can, the standard library past 64-bit integers: the same values."""
+    assert json.loads(encode_body(body)) == body
+
+
+async def test_a_large_body_is_encoded_off_the_loop_to_the_same_bytes(state, monkeypatch) -> None:
+    threads: list[int] = []
+    encode = http_driver.forwarded_bytes
+
+    def recorded(*args: Any) -> bytes:
+        threads.append(threading.get_ident())
+        return encode(*args)
+
+    monkeypatch.setattr(http_driver, "forwarded_bytes", recorded)
+    small = req({"model": "smollm2", "prompt": [11] * 3000, "max_tokens": 1})
+    large = dataclasses.replace(small, body_bytes=OFF_LOOP_BYTES)
+    async with running(state) as driver:
+        await collect(driver, small)
+        await collect(driver, large)
+    assert threads[0] == threading.get_ident() != threads[1]
+    assert state.received[-1][3] == state.received[-2][3]
+    assert state.received[-1][3]["prompt"] == [11] * 3000
 
 
 async def test_request_without_salt_is_refused_before_sending(state) -> None:
