@@ -140,6 +140,7 @@ def encode_body(body: dict[str, Any]) -> bytes:
 
 
 def forwarded_bytes(request: EngineRequest, priority_scheduling: bool, model_id: str) -> bytes:
+    """`forwarded_body`, encoded: one call, so a large body does both on a worker thread."""
     return encode_body(forwarded_body(request, priority_scheduling, model_id))
 
 
@@ -360,12 +361,9 @@ class VLLMDriver:
         url = self._generation_urls.get(request.route)
         if url is None:
             raise ForbiddenURLError(f"unknown generation route {request.route!r}")
-        caps = self.capabilities
-        if request.body_bytes < OFF_LOOP_BYTES:
-            body = forwarded_bytes(request, caps.priority_scheduling, caps.model_id)
-        else:  # dumping a large body must not stall every other request
-            body = await asyncio.to_thread(forwarded_bytes, request, caps.priority_scheduling,
-                                           caps.model_id)
+        args = (request, self.capabilities.priority_scheduling, self.capabilities.model_id)
+        body = (forwarded_bytes(*args) if request.body_bytes < OFF_LOOP_BYTES
+                else await asyncio.to_thread(forwarded_bytes, *args))  # large: off the loop
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.total_timeout_s
         first_byte = min(deadline, loop.time() + self.config.first_byte_timeout_s)
