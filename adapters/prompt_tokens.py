@@ -36,9 +36,10 @@ from native_engine.model.prompt import (
     PromptInvalid,
     id_count,
     off_loop,
+    prompt_text,
     prompt_token_ids,
 )
-from native_engine.model.token_prefix_cache import PrefixedIds, TokenPrefixCache
+from native_engine.model.token_prefix_cache import PrefixedIds, PrefixLookup, TokenPrefixCache
 from native_engine.model.tokenizer import TextTokenizer
 from schemas.engine import EngineRequest
 from schemas.openai import ChatRequest
@@ -88,6 +89,34 @@ class PromptIds:
         return chain
 
 
+@dataclass(frozen=True, slots=True)
+class PromptDraft:
+    """A text prompt's ids before its new part is tokenised: `lookup.ids` lead them, and
+    at most `more_at_most` follow (0: they are all known). `PromptTokens.finish` gives them
+    all; `chains`: the known ids' chains so far."""
+
+    request: EngineRequest
+    lookup: PrefixLookup
+    more_at_most: int
+    chains: dict[ChainKey, list[bytes]] = field(default_factory=dict)
+
+    @property
+    def known(self) -> list[int]:
+        return self.lookup.ids
+
+    def chain(self, namespace: str | None, block_size: int) -> list[bytes]:
+        """`prompt_chain` of the known ids' full blocks (the earlier text's keys reused;
+        do not mutate it)."""
+        key = (namespace, block_size)
+        chain = self.chains.get(key)
+        if chain is None:
+            full = len(self.lookup.ids) // block_size
+            head = (self.lookup.base_memo or {}).get(key, ())[:full]
+            chain = self.chains[key] = head if len(head) == full else prompt_chain(
+                namespace, self.lookup.ids, block_size, head)
+        return chain
+
+
 class PromptTokens:
     """Token ids of a request's prompt, or None when they cannot be known here."""
 
@@ -113,6 +142,30 @@ class PromptTokens:
 
     def of(self, request: EngineRequest) -> PromptIds | None:
         return self._of(request, None if self.cache_lent else self.cache)
+
+    def draft(self, request: EngineRequest) -> PromptDraft | None:
+        """The leading ids the token-prefix cache knows of a text prompt (a shared system
+        prompt's), before anything is tokenised; None where there is no cache to ask or
+        the prompt is not text."""
+        if self.cache is None or self.cache_lent:
+            return None
+        try:
+            text = prompt_text(request.body, self.template)
+        except PromptInvalid:
+            return None
+        if text is None:
+            return None
+        found = self.cache.lookup(text, request.tenant)
+        more = 0 if found.cut == len(text) else found.tokens_after_at_most()
+        return PromptDraft(request, found, more)
+
+    def finish(self, draft: PromptDraft) -> PromptIds | None:
+        """All the ids of a drafted prompt: its new part tokenised (through the cache unless
+        a long prompt has it on a thread meanwhile)."""
+        if self.cache is None or self.cache_lent:
+            return self._of(draft.request, None)
+        prefixed = self.cache.complete(draft.lookup)
+        return PromptIds(prefixed.ids, prefixed)
 
     def is_long(self, request: EngineRequest) -> bool:
         """Whether `of_off_loop` would take this request's prompt to a thread: a text the

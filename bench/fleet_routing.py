@@ -12,12 +12,14 @@ token each) × random suffixes (`--suffix-tokens`), as streaming `/v1/completion
 order that both arms follow, one request at a time, the arms interleaved (A, B, then B, A
 for the next item). Per arm: the cached-token ratio (Σ cached_tokens / Σ prompt_tokens,
 from the responses' usage), TTFT p50 (send → first streamed chunk with a choice) and, for
-kv_aware, the routing decision's cost (the fleet's own timing of `route()`: tokenising the
-prompt, matching every rank's index, the cost formula) twice: in the run, where each
-decision follows the engines' work for the last request (which displaces the governor's
-working set), and back to back after it on the same fleet and caches (`--steady-decisions`
-fresh suffixes), the cost while the governor is busy. `--pin` puts the governors on the
-first CPU and the replicas on the others.
+kv_aware, the routing decision's cost (the fleet's own timing of `decide()`: tokenising the
+prompt unless the decision is early, matching every rank's index, the cost formula) twice:
+in the run, where each decision follows the engines' work for the last request (which
+displaces the governor's working set), and back to back after it on the same fleet and
+caches (`--steady-decisions` fresh suffixes), the cost while the governor is busy. Early
+decisions (taken before the prompt's new part is tokenised) are counted, and their
+settling (tokenising the rest once the request is sent) is timed apart. `--pin` puts the
+governors on the first CPU and the replicas on the others.
 
 The pool is the deciding parameter: round robin puts every pair's prefix on both replicas,
 kv_aware keeps each on one, so with pools smaller than the whole working set round robin
@@ -237,7 +239,8 @@ async def run(args: argparse.Namespace, fleet: list[Replica], data_dir: Path) ->
                 arm.hits += cached > 0
     routed = arms[0].fleet
     in_situ = (list(routed.decision_seconds), list(routed.tokenize_seconds),
-               list(routed.decision_cpu_seconds))
+               list(routed.decision_cpu_seconds), list(routed.settle_seconds),
+               routed.early_decisions)
     steady = steady_decisions(arms[0], systems, rng, args)
     try:
         return summarise(args, arms, len(items), in_situ, steady)
@@ -249,13 +252,14 @@ async def run(args: argparse.Namespace, fleet: list[Replica], data_dir: Path) ->
 
 
 def steady_decisions(arm: Arm, systems: list[str], rng: random.Random,
-                     args: argparse.Namespace) -> list[float]:
+                     args: argparse.Namespace) -> tuple[list[float], list[float]]:
     """`--steady-decisions` routing decisions back to back on the kv_aware fleet as the run
     left it (its shadow indexes, each tenant's token-prefix cache), each for a fresh suffix
     prepared by the governor's own path: the decision's cost while the governor is busy,
     with no other work between decisions (in the run, the engines' work for each request
-    displaces the tokenizer's and the index's working set before the next decision)."""
-    times = []
+    displaces the tokenizer's and the index's working set before the next decision). Each
+    decision is settled at once; its time with settling is the second list."""
+    times, settled = [], []
     for i in range(args.steady_decisions):
         tenant = arm.gov.config.tenant(TENANTS[i % len(TENANTS)])
         assert tenant is not None
@@ -264,14 +268,16 @@ def steady_decisions(arm: Arm, systems: list[str], rng: random.Random,
         prepared = arm.gov.prepare_raw(tenant, "completions", json.dumps(body).encode(),
                                        f"steady-{i}")
         start = time.perf_counter()
-        arm.fleet.route(prepared.request)
+        decision = arm.fleet.decide(prepared.request)
         times.append(time.perf_counter() - start)
-    return times
+        decision.settle()
+        settled.append(time.perf_counter() - start)
+    return times, settled
 
 
 def summarise(args: argparse.Namespace, arms: list[Arm], requests: int,
-              in_situ: tuple[list[float], list[float], list[float]],
-              steady: list[float]) -> dict:
+              in_situ: tuple[list[float], list[float], list[float], list[float], int],
+              steady: tuple[list[float], list[float]]) -> dict:
     per_arm: dict[str, dict[str, Any]] = {}
     states = []
     for arm in arms:
@@ -289,8 +295,11 @@ def summarise(args: argparse.Namespace, arms: list[Arm], requests: int,
             first_request_latency_s=arm.calibration[0],
             steady_state_latency_s=statistics.median(arm.calibration[1:]))))
     kv, rr = per_arm["kv_aware"], per_arm["round_robin"]
-    decisions, tokenizing, decisions_cpu = in_situ
+    decisions, tokenizing, decisions_cpu, settling, early = in_situ
+    steady_decided, steady_settled = steady
     matching = [d - t for d, t in zip(decisions, tokenizing, strict=True)]
+    # An early decision tokenised nothing before it (the fleet records 0.0 for it).
+    early_only = [d for d, t in zip(decisions, tokenizing, strict=True) if t == 0.0]
     gate = gate_comparison(states)
     return {
         "arms": per_arm,
@@ -300,8 +309,14 @@ def summarise(args: argparse.Namespace, arms: list[Arm], requests: int,
         "routing_decision_p99_ms": statistics.quantiles(decisions, n=100)[-1] * 1000,
         "routing_match_and_cost_p50_ms": statistics.median(matching) * 1000,
         "routing_decision_cpu_p50_ms": statistics.median(decisions_cpu) * 1000,
-        "routing_steady_decision_p50_ms": statistics.median(steady) * 1000,
-        "routing_steady_decision_p99_ms": statistics.quantiles(steady, n=100)[-1] * 1000,
+        "routing_decisions": len(decisions),
+        "routing_early_decisions": early,
+        "routing_early_decision_p50_ms": statistics.median(early_only) * 1000
+        if early_only else None,
+        "routing_settle_p50_ms": statistics.median(settling) * 1000 if settling else None,
+        "routing_steady_decision_p50_ms": statistics.median(steady_decided) * 1000,
+        "routing_steady_decision_p99_ms": statistics.quantiles(steady_decided, n=100)[-1] * 1000,
+        "routing_steady_settled_p50_ms": statistics.median(steady_settled) * 1000,
         "gate": {"verdict": gate.verdict, "reasons": list(gate.reasons)},
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "machine": machine(),
@@ -362,11 +377,20 @@ def main(argv: list[str] | None = None) -> None:
           f"(p99 {result['routing_decision_p99_ms']:.3f} ms; without tokenising the prompt "
           f"{result['routing_match_and_cost_p50_ms']:.3f} ms; in the governor thread's CPU "
           f"time {result['routing_decision_cpu_p50_ms']:.3f} ms)\n"
+          f"early decisions (before the prompt's new part was tokenised): "
+          f"{result['routing_early_decisions']} of {result['routing_decisions']}, p50 "
+          f"{fmt_ms(result['routing_early_decision_p50_ms'])}; settled "
+          f"after the request was sent in p50 {fmt_ms(result['routing_settle_p50_ms'])}\n"
           f"routing decision back to back p50 "
           f"{result['routing_steady_decision_p50_ms']:.3f} ms "
-          f"(p99 {result['routing_steady_decision_p99_ms']:.3f} ms)\n"
+          f"(p99 {result['routing_steady_decision_p99_ms']:.3f} ms; settled too "
+          f"{result['routing_steady_settled_p50_ms']:.3f} ms)\n"
           f"gate: {result['gate']['verdict']} {result['gate']['reasons']}\n"
           f"machine: {result['machine']}")
+
+
+def fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} ms"
 
 
 def times(value: float | None) -> str:

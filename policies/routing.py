@@ -81,6 +81,30 @@ def kv_cost(candidate: Candidate, prompt_tokens: int, weights: RoutingWeights) -
     return weights.overlap_weight * prefill + weights.load_weight * candidate.load
 
 
+def beats_whatever_follows(best: Candidate, candidates: Sequence[Candidate], known_tokens: int,
+                           most_tokens: int, weights: RoutingWeights) -> bool:
+    """Whether kv_aware puts `best` first for every prompt that starts with `known_tokens`
+    known ids and has at most `most_tokens`, each candidate's overlap being that of the known
+    ids' full blocks (one block size for all). A rank's overlap can grow past that only
+    where it matched every known block, up to the prompt's full blocks; `best`'s growing
+    only helps it. No rank is credited more blocks than the prompt has, so the prompt's
+    blocks cancel out of a comparison: `best` wins whatever follows when its cost is lower
+    than another's even at that one's most overlap (by more than rounding)."""
+    for other in candidates:
+        if other.member == best.member:
+            continue
+        ceiling = most_tokens // other.block_size
+        most = ceiling if other.index_synced and \
+            other.overlap_blocks >= known_tokens // other.block_size else other.credited_blocks
+        edge = weights.overlap_weight * (best.credited_blocks - most) + \
+            weights.load_weight * (other.load - best.load)
+        scale = 1 + weights.overlap_weight * ceiling + \
+            weights.load_weight * (other.load + best.load)
+        if edge <= 1e-9 * scale:
+            return False
+    return True
+
+
 def rank_order(policy: RoutingPolicy, candidates: Sequence[Candidate], prompt_tokens: int,
                weights: RoutingWeights, turn: int, members: int) -> tuple[int, ...]:
     """Members best first. `turn` counts requests (round-robin position); `members` is

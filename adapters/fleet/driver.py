@@ -17,22 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adapters.driver import CacheMember
-from adapters.prompt_tokens import ChainKey, PromptIds, PromptTokens
+from adapters.prompt_tokens import ChainKey, PromptDraft, PromptIds, PromptTokens
 from adapters.vllm.cache_control import VLLMCacheControl
 from adapters.vllm.capabilities import CapabilityRefusedError, UpstreamUnreachable
 from adapters.vllm.kv_subscriber import SyncState
+from adapters.vllm.shadow_index import ShadowIndex
 from policies.routing import (
     Candidate,
     RoutingPolicy,
     RoutingWeights,
+    beats_whatever_follows,
     predicted_cached_tokens,
     rank_order,
 )
@@ -52,6 +56,7 @@ from .health import HealthConfig, HealthWatch
 from .state import Member, Upstream, connection_lost, retryable
 
 DECISION_WINDOW = 4096
+NAMESPACE_MEMO = 4096  # (index keying, salt) -> namespace digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +66,23 @@ class FleetConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """Members best first, and the cached tokens each would be predicted to report (by
-    member name; none without the prompt's tokens)."""
+    member name; none without the prompt's tokens). An early decision (`pending` set) was
+    taken on the prompt's known leading ids alone, which fixed the first member whatever
+    the rest of the prompt; `settle()` tokenises the rest, then orders the others and fills
+    in the predictions and the prompt's length."""
 
     order: tuple[Member, ...]
     predicted: dict[str, int]
     prompt_tokens: int | None
+    pending: Callable[[], None] | None = None
+
+    def settle(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
 
 
 class FleetCacheControl:
@@ -108,6 +122,10 @@ class FleetDriver:
         # The same decisions in this thread's CPU time: wall time less what the OS gave to
         # other processes meanwhile (engines sharing the cores preempt the governor).
         self.decision_cpu_seconds: deque[float] = deque(maxlen=DECISION_WINDOW)
+        # Early decisions' settling (tokenising the rest once the request is on its way).
+        self.settle_seconds: deque[float] = deque(maxlen=DECISION_WINDOW)
+        self.early_decisions = 0
+        self._namespaces: dict[tuple[bytes, str], str | None] = {}
         self._turn = 0
         self._health: HealthWatch | None = None
 
@@ -182,10 +200,27 @@ class FleetDriver:
     # --- routing ----------------------------------------------------------------------
 
     def route(self, request: EngineRequest) -> Decision:
-        """Order the members that are up for this request (policies.routing)."""
+        """Order the members that are up for this request, settled (`decide`)."""
+        decision = self.decide(request)
+        decision.settle()
+        return decision
+
+    def decide(self, request: EngineRequest) -> Decision:
+        """Order the members that are up for this request (policies.routing): early, on
+        the ids the token-prefix cache knows, where they fix the first member (`_early`);
+        else on all the prompt's ids."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         kv_aware = self.config.policy is RoutingPolicy.KV_AWARE
-        tokens = self.tokens.of(request) if kv_aware else None
+        draft = self.tokens.draft(request) if kv_aware else None
+        early = None if draft is None else self._early(draft)
+        if early is not None:
+            self.tokenize_seconds.append(0.0)  # nothing tokenised before it
+            self._timed(started, cpu_started)
+            return early
+        if draft is not None:
+            tokens = self.tokens.finish(draft)
+        else:
+            tokens = self.tokens.of(request) if kv_aware else None
         self.tokenize_seconds.append(time.perf_counter() - started)
         return self._rank(request, tokens, started, cpu_started)
 
@@ -193,62 +228,121 @@ class FleetDriver:
         """`route`, a long prompt tokenised on a worker thread (`PromptTokens.of_off_loop`):
         the same ids, while the loop goes on relaying. The decision's CPU time is then the
         loop's part only."""
-        if self.config.policy is not RoutingPolicy.KV_AWARE or not self.tokens.is_long(request):
+        if not self._long(request):
             return self.route(request)
         started = time.perf_counter()
         tokens = await self.tokens.of_off_loop(request, self._chain_keys(request.cache_salt))
         self.tokenize_seconds.append(time.perf_counter() - started)
         return self._rank(request, tokens, started, time.thread_time())
 
+    def _long(self, request: EngineRequest) -> bool:
+        return self.config.policy is RoutingPolicy.KV_AWARE and self.tokens.is_long(request)
+
     def _chain_keys(self, salt: str | None) -> set[ChainKey]:
         """The (namespace digest, block size) of every member `_rank` will match in."""
-        digests: dict[bytes, str | None] = {}
         return {key for member in self.members if member.upstream.up
-                and (key := self._chain_key(member, salt, digests)) is not None}
+                and (key := self._chain_key(member, salt)) is not None}
 
-    @staticmethod
-    def _chain_key(member: Member, salt: str | None,
-                   digests: dict[bytes, str | None]) -> ChainKey | None:
-        """Where `member` matches a prompt: its index's namespace digest for `salt` (once
-        per keying in `digests`) and its block size; None without KV events."""
+    def _chain_key(self, member: Member, salt: str | None) -> ChainKey | None:
+        """Where `member` matches a prompt: its index's namespace digest for `salt` and its
+        block size; None without KV events."""
         kv = member.upstream.driver.kv
         if kv is None:
             return None
-        index = kv.index(member.rank)
-        if index.keying not in digests:
-            digests[index.keying] = index.namespace_id(salt)
-        return digests[index.keying], member.upstream.driver.capabilities.block_size or 1
+        return self._namespace(kv.index(member.rank), salt), \
+            member.upstream.driver.capabilities.block_size or 1
+
+    def _namespace(self, index: ShadowIndex, salt: str | None) -> str | None:
+        """`index.namespace_id(salt)`, remembered per index keying: an HMAC a decision
+        otherwise (the governor holds the tenants' salts anyway; this is never shown)."""
+        if salt is None:
+            return None
+        key = (index.keying, salt)
+        digest = self._namespaces.get(key)
+        if digest is None:
+            if len(self._namespaces) >= NAMESPACE_MEMO:
+                self._namespaces.clear()
+            digest = self._namespaces[key] = index.namespace_id(salt)
+        return digest
 
     def _rank(self, request: EngineRequest, tokens: PromptIds | None, started: float,
               cpu_started: float) -> Decision:
-        policy = self.config.policy
-        candidates, predicted = [], {}
-        digests: dict[bytes, str | None] = {}  # this decision's namespace per index keying
-        for index, member in enumerate(self.members):
-            if not member.upstream.up:
-                continue
-            block_size = member.upstream.driver.capabilities.block_size or 1
-            overlap, synced = self._overlap(member, request.cache_salt, tokens, digests)
-            candidates.append(Candidate(index, block_size, overlap, synced, member.in_flight,
-                                        member.engine_load))
-            if tokens is not None:
-                predicted[index] = predicted_cached_tokens(
-                    len(tokens.ids), overlap if synced else 0, block_size)
-        prompt_tokens = None if tokens is None else len(tokens.ids)
-        order = rank_order(policy, candidates, prompt_tokens or 0, self.config.weights,
-                           self._turn, len(self.members))
+        candidates = self._candidates(request, tokens)
+        decision = Decision((), {}, None)
+        self._settled(decision, tokens, candidates, self._turn)
         self._turn += 1
+        self._timed(started, cpu_started)
+        return decision
+
+    def _candidates(self, request: EngineRequest, tokens: PromptIds | PromptDraft | None
+                    ) -> list[Candidate]:
+        """The members that are up, with their overlap (a draft's: of its known ids)."""
+        candidates = []
+        for index, member in enumerate(self.members):
+            if member.upstream.up:
+                overlap, synced = self._overlap(member, request.cache_salt, tokens)
+                candidates.append(Candidate(
+                    index, member.upstream.driver.capabilities.block_size or 1, overlap,
+                    synced, member.in_flight, member.engine_load))
+        return candidates
+
+    def _settled(self, decision: Decision, tokens: PromptIds | None,
+                 candidates: list[Candidate], turn: int) -> None:
+        """Fill in `decision` from the prompt's ids: the order (after its first member, if
+        it has one already) and each member's predicted cached tokens."""
+        prompt_tokens = None if tokens is None else len(tokens.ids)
+        order = [self.members[i] for i in rank_order(
+            self.config.policy, candidates, prompt_tokens or 0, self.config.weights, turn,
+            len(self.members))]
+        if decision.order:
+            order.remove(decision.order[0])
+            order.insert(0, decision.order[0])
+        decision.order, decision.prompt_tokens = tuple(order), prompt_tokens
+        if tokens is not None:
+            decision.predicted = {self.members[c.member].name: predicted_cached_tokens(
+                len(tokens.ids), c.credited_blocks, c.block_size) for c in candidates}
+
+    def _early(self, draft: PromptDraft) -> Decision | None:
+        """A decision on the draft's known ids where they fix the first member: a member's
+        overlap is exact where its index misses one of the known blocks, and at most the
+        whole prompt's blocks where it holds them all; the first member must beat every
+        other at their most (policies.routing.beats_whatever_follows). None otherwise.
+        The rest is settled later (`Decision.settle`) with the loads and turn of now."""
+        candidates = self._candidates(draft.request, draft)
+        known, most = len(draft.known), len(draft.known) + draft.more_at_most
+        if not candidates or len({c.block_size for c in candidates}) != 1:
+            return None
+        turn = self._turn
+        first = rank_order(self.config.policy, candidates, known + 1, self.config.weights,
+                           turn, len(self.members))[0]
+        best = next(c for c in candidates if c.member == first)
+        if not beats_whatever_follows(best, candidates, known, most, self.config.weights):
+            return None
+        self._turn += 1
+        self.early_decisions += 1
+        decision = Decision((self.members[first],), {}, None)
+        decision.pending = functools.partial(self._settle, decision, draft, candidates, turn)
+        return decision
+
+    def _settle(self, decision: Decision, draft: PromptDraft, candidates: list[Candidate],
+                turn: int) -> None:
+        started = time.perf_counter()
+        tokens = self.tokens.finish(draft)
+        exact = [dataclasses.replace(c, overlap_blocks=self._overlap(
+            self.members[c.member], draft.request.cache_salt, tokens)[0])
+            for c in candidates]
+        self._settled(decision, tokens, exact, turn)
+        self.settle_seconds.append(time.perf_counter() - started)
+
+    def _timed(self, started: float, cpu_started: float) -> None:
         self.decision_seconds.append(time.perf_counter() - started)
         self.decision_cpu_seconds.append(time.thread_time() - cpu_started)
-        return Decision(tuple(self.members[i] for i in order),
-                        {self.members[i].name: p for i, p in predicted.items()}, prompt_tokens)
 
-    @classmethod
-    def _overlap(cls, member: Member, salt: str | None, tokens: PromptIds | None,
-                 digests: dict[bytes, str | None]) -> tuple[int, bool]:
-        if tokens is None or not tokens.ids:
-            return 0, False
-        key, kv = cls._chain_key(member, salt, digests), member.upstream.driver.kv
+    def _overlap(self, member: Member, salt: str | None, tokens: PromptIds | PromptDraft | None
+                 ) -> tuple[int, bool]:
+        if tokens is None or (isinstance(tokens, PromptIds) and not tokens.ids):
+            return 0, False  # (a draft's known ids may be none: its chain is empty)
+        key, kv = self._chain_key(member, salt), member.upstream.driver.kv
         if key is None or kv is None:
             return 0, False
         chain = tokens.chain(*key)  # once per request and key
@@ -260,22 +354,27 @@ class FleetDriver:
         CPU time, and the part spent tokenising the prompt) and the token-prefix cache's
         counters (None: off)."""
         window, tokenize = list(self.decision_seconds), list(self.tokenize_seconds)
-        cpu = list(self.decision_cpu_seconds)
+        cpu, settle = list(self.decision_cpu_seconds), list(self.settle_seconds)
         cache = self.tokens.cache
         return {"policy": self.config.policy.value, "decisions": len(window),
                 "decision_p50_ms": statistics.median(window) * 1000 if window else None,
                 "decision_cpu_p50_ms": statistics.median(cpu) * 1000 if cpu else None,
                 "tokenize_p50_ms": statistics.median(tokenize) * 1000 if tokenize else None,
+                "early_decisions": self.early_decisions,
+                "settle_p50_ms": statistics.median(settle) * 1000 if settle else None,
                 "tokenize_cache": None if cache is None else
                 {"texts": len(cache), **asdict(cache.stats)}}
 
     # --- generation -------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]:
-        decision = await self.route_off_loop(request)
+        decision = await self.route_off_loop(request) if self._long(request) \
+            else self.decide(request)
         if not decision.order:
             raise EngineError(503, "no upstream is up", type="ServiceUnavailable")
         member = decision.order[0]
+        if decision.pending is not None:  # settled once the request is on its way: the
+            asyncio.get_running_loop().call_soon(decision.settle)  # loop's next turn
         try:
             chunks, first = await self._open(member, request)
         except EngineError as exc:
@@ -294,6 +393,7 @@ class FleetDriver:
         finally:
             member.in_flight -= 1
             await chunks.aclose()
+            decision.settle()
             if member.name in decision.predicted:
                 member.record_prediction(decision.predicted[member.name],
                                          None if usage is None else usage.cached_tokens)
@@ -324,6 +424,7 @@ class FleetDriver:
     def _fallback(decision: Decision, failed: Member, exc: EngineError) -> Member | None:
         """The next-best member for the one retry: on another upstream if the connection
         was lost (its other ranks are gone too)."""
+        decision.settle()
         if not retryable(exc):
             return None
         for member in decision.order[1:]:

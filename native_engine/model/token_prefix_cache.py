@@ -83,6 +83,32 @@ class PrefixedIds:
     base_memo: dict[Hashable, Any] | None
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixLookup:
+    """`TokenPrefixCache.lookup`'s answer: the first `len(ids)` ids of `text` are `ids`
+    (those of `base`, a kept text; `[]` and None when none shares a checkpointed prefix),
+    and they end at character `cut` (`len(text)`: the text was seen whole). `keys`,
+    `cuts`, `counts`: what `complete` keeps of it."""
+
+    text: str
+    namespace: str | None
+    keys: list[int]
+    base: _Text | None
+    cut: int
+    ids: list[int]
+    cuts: list[int]
+    counts: list[int]
+
+    @property
+    def base_memo(self) -> dict[Hashable, Any] | None:
+        return None if self.base is None else self.base.memo
+
+    def tokens_after_at_most(self) -> int:
+        """An upper bound on the ids after `ids`: one per UTF-8 byte of the rest (a BPE
+        token over byte-level pre-tokens, or an added token, covers one byte or more)."""
+        return len(self.text[self.cut:].encode("utf-8", "surrogatepass"))
+
+
 @dataclass(slots=True)
 class TokenPrefixCacheStats:
     hits: int = 0
@@ -148,28 +174,40 @@ class TokenPrefixCache:
         return self.encode_prefixed(text, namespace).ids
 
     def encode_prefixed(self, text: str, namespace: str | None = None) -> PrefixedIds:
+        return self.complete(self.lookup(text, namespace))
+
+    def lookup(self, text: str, namespace: str | None = None) -> PrefixLookup:
+        """What the cache knows of `text`'s ids without tokenising anything: the leading
+        ids an earlier text of `namespace` fixes (all of them for a text seen before).
+        `complete` tokenises the rest; other texts may be looked up or completed between
+        the two (a lookup holds its own copies)."""
         keys = self._keys(text, namespace)
         base, length = self._longest(text, namespace, keys)
         if base is None:
             self.stats.misses += 1
-            entry, count = _Text(namespace, text, []), 0
-            self._extend(entry, 0, 0, text)
-        else:
-            self.stats.hits += 1
-            self._texts.move_to_end(id(base))
-            if base.text == text:
-                self.stats.reused_tokens += len(base.ids)
-                return PrefixedIds(list(base.ids), len(base.ids), base.memo, base.memo)
-            shared = _shared_length(text, base.text, length)
-            limit = shared - self.margin(text, shared)
-            self._read_cuts(base, limit)
-            i = max(bisect.bisect_right(base.cuts, limit) - 1, 0)
-            cut, count = base.cuts[i], base.counts[i]
-            entry = _Text(namespace, text, base.ids[:count], base.cuts[:i + 1],
-                          base.counts[:i + 1])
-            self.stats.reused_tokens += count
-            self._extend(entry, cut, count, text[cut:])
-        self._remember(entry, keys[length // self.stride:])
+            return PrefixLookup(text, namespace, keys[length // self.stride:], None, 0, [],
+                                [0], [0])
+        self.stats.hits += 1
+        self._texts.move_to_end(id(base))
+        if base.text == text:
+            return PrefixLookup(text, namespace, [], base, len(text), base.ids, [], [])
+        shared = _shared_length(text, base.text, length)
+        limit = shared - self.margin(text, shared)
+        self._read_cuts(base, limit)
+        i = max(bisect.bisect_right(base.cuts, limit) - 1, 0)
+        return PrefixLookup(text, namespace, keys[length // self.stride:], base,
+                            base.cuts[i], base.ids[:base.counts[i]], base.cuts[:i + 1],
+                            base.counts[:i + 1])
+
+    def complete(self, found: PrefixLookup) -> PrefixedIds:
+        """`found`'s text's ids: its known ids, then the rest tokenised (and the text kept)."""
+        base, count = found.base, len(found.ids)
+        self.stats.reused_tokens += count
+        if base is not None and found.cut == len(found.text):
+            return PrefixedIds(list(found.ids), count, base.memo, base.memo)
+        entry = _Text(found.namespace, found.text, list(found.ids), found.cuts, found.counts)
+        self._extend(entry, found.cut, count, found.text[found.cut:])
+        self._remember(entry, found.keys)
         return PrefixedIds(list(entry.ids), count, entry.memo,
                            None if base is None else base.memo)
 

@@ -211,6 +211,56 @@ async def test_a_long_text_prompt_is_routed_on_the_same_ids_off_the_loop(
 
 
 @pytest.mark.slow
+async def test_an_early_decision_settles_to_the_one_on_the_whole_prompt(kv_fleet) -> None:
+    """A prompt sharing a system prompt with an earlier text of its tenant is routed before
+    its new part is tokenised where the known blocks fix the member (b holds 3 of them, a
+    none); settled, the decision is the one taken on all its ids. Where another rank holds
+    every known block too, the rest could decide: the prompt is tokenised first."""
+    fleet, engines = kv_fleet
+    fleet.tokens = PromptTokens.load("embedded", 1024)
+    whole = PromptTokens.load("embedded")  # no cache: decisions on all the ids
+    system = " ".join(f"w{i}" for i in range(300))
+
+    def ask(suffix: str, stream: bool = False) -> EngineRequest:
+        return completion(f"{system} {suffix}", salt="fak1-alice", stream=stream)
+
+    ids = whole.of(ask("x"))
+    assert ids is not None and len(ids.ids) > 5 * BLOCK
+    await engines[1].publish(batch_frames(0, [stored_chain(ids.ids[:3 * BLOCK], "fak1-alice",
+                                                           700)]))
+    b = fleet.upstream("b").driver.kv
+    await wait_for(lambda: b is not None and len(b.index()) == 3)
+    assert fleet.route(ask("first")).pending is None  # a miss: tokenised, then decided
+    early = fleet.decide(ask("second"))
+    assert early.pending is not None and fleet.early_decisions == 1
+    assert [m.name for m in early.order] == ["b/0"] and early.predicted == {}
+    early.settle()
+    fleet.tokens, cached = whole, fleet.tokens
+    settled = fleet.route(ask("second"))
+    assert [m.name for m in early.order] == [m.name for m in settled.order] == ["b/0", "a/0"]
+    assert early.predicted == settled.predicted == {"a/0": 0, "b/0": 3 * BLOCK}
+    assert early.prompt_tokens == settled.prompt_tokens
+    fleet.tokens = cached
+    cached.cache.check_integrity()
+    # generate settles an early decision once the request is on its way.
+    assert await drain(fleet, ask("third", stream=True))
+    assert fleet.early_decisions == 2 and len(fleet.settle_seconds) == 2
+    assert fleet.members[1].predicted_tokens == 3 * BLOCK
+    # Both hold every block of the system prompt: the new part could decide, so it is
+    # tokenised first.
+    blocks = len(ids.ids) // BLOCK
+    for engine, first_hash in zip(engines, (900, 1900), strict=True):
+        await engine.publish(batch_frames(1 if first_hash == 1900 else 0, [stored_chain(
+            ids.ids[:blocks * BLOCK], "fak1-alice", first_hash)]))
+    a = fleet.upstream("a").driver.kv
+    await wait_for(lambda: a is not None and len(a.index()) == blocks
+                   and len(b.index()) == blocks + 3)
+    full = fleet.decide(ask("fourth"))
+    assert full.pending is None and fleet.early_decisions == 2
+    assert full.predicted["a/0"] == full.predicted["b/0"] > 3 * BLOCK
+
+
+@pytest.mark.slow
 async def test_kv_aware_credits_only_the_requests_namespace_and_synced_ranks(kv_fleet) -> None:
     fleet, (_, engine_b) = kv_fleet
     prompt = list(range(1000, 1000 + 3 * BLOCK + 5))

@@ -75,6 +75,26 @@ def test_reused_ids_are_the_base_texts_and_memos_follow_texts(
     cache.check_integrity()
 
 
+@settings(max_examples=200, deadline=None)
+@given(base=texts, tails=st.lists(st.tuples(st.integers(0, 400), texts), min_size=1,
+                                  max_size=6), capacity=st.integers(1, 4))
+def test_lookups_completed_later_and_out_of_order_give_full_encodes(
+        base: str, tails: list[tuple[int, str]], capacity: int) -> None:
+    """`lookup` then `complete`, other texts looked up, completed (and evicted) between
+    the two: the known ids lead the full encode, the rest follow, at most one per UTF-8
+    byte of the text after the known ids' end."""
+    tokenizer = embedded()
+    cache = TokenPrefixCache(tokenizer, capacity=capacity, stride=4)
+    cache.encode(base)
+    found = [cache.lookup(base[:cut] + tail) for cut, tail in tails]
+    for lookup in reversed(found):
+        ids = full(tokenizer, lookup.text)
+        assert ids[:len(lookup.ids)] == lookup.ids
+        assert len(ids) - len(lookup.ids) <= lookup.tokens_after_at_most()
+        assert cache.complete(lookup).ids == ids
+        cache.check_integrity()
+
+
 def test_a_shared_system_prompt_is_tokenised_once(tokenizer: Tokenizer) -> None:
     rng = random.Random(7)
 

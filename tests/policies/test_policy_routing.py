@@ -10,6 +10,7 @@ from policies.routing import (
     Candidate,
     RoutingPolicy,
     RoutingWeights,
+    beats_whatever_follows,
     kv_cost,
     predicted_cached_tokens,
     rank_order,
@@ -83,3 +84,43 @@ def test_kv_aware_first_choice_has_the_lowest_cost(cs, prompt, turn) -> None:
     first = rank_order(RoutingPolicy.KV_AWARE, cs, prompt, W, turn, 8)[0]
     costs = {c.member: kv_cost(c, prompt, W) for c in cs}
     assert costs[first] == min(costs.values())
+
+
+def test_a_rank_holding_the_known_blocks_wins_early_unless_another_could_catch_up() -> None:
+    """Known: 4 blocks of 32 (128 ids), at most 100 more follow (7 blocks in all)."""
+    cached, idle = cand(0, overlap=4), cand(1, overlap=1)
+    assert beats_whatever_follows(cached, [cached, idle], 128, 228, W)
+    # Another rank holding every known block may hold the rest too.
+    assert not beats_whatever_follows(cached, [cached, cand(1, overlap=4)], 128, 228, W)
+    # Its load can still decide it: 3 more blocks at most against 4 more requests, not 2.
+    assert beats_whatever_follows(cached, [cached, cand(1, overlap=4, in_flight=4)], 128, 228,
+                                  W)
+    assert not beats_whatever_follows(cached, [cached, cand(1, overlap=4, in_flight=2)], 128,
+                                      228, W)
+    # An unsynced index earns nothing, whatever it holds.
+    assert beats_whatever_follows(cand(0, overlap=2), [cand(0, overlap=2),
+                                                       cand(1, overlap=4, synced=False)],
+                                  128, 228, W)
+    assert not beats_whatever_follows(idle, [idle, cand(2, overlap=1)], 128, 228, W)  # a tie
+
+
+@given(st.data(), st.integers(1, 32), st.integers(0, 300), st.integers(0, 100),
+       st.integers(0, 100), st.floats(0, 3), st.floats(0, 3))
+def test_an_early_winner_is_first_for_every_prompt_the_known_ids_allow(
+        data, block, known, more, turn, overlap_weight, load_weight) -> None:
+    """`beats_whatever_follows` against the decision on the whole prompt: whatever the
+    prompt's length and each rank's overlap past the known blocks, the early winner is first."""
+    weights, full = RoutingWeights(overlap_weight, load_weight), known // block
+    cs = data.draw(st.lists(st.builds(cand, st.integers(0, 7), st.integers(0, full),
+                                      st.booleans(), st.integers(0, 20), st.none(),
+                                      st.just(block)),
+                            min_size=1, max_size=8, unique_by=lambda c: c.member))
+    best = next(c for c in cs if c.member == rank_order(RoutingPolicy.KV_AWARE, cs, known + 1,
+                                                        weights, turn, 8)[0])
+    if not beats_whatever_follows(best, cs, known, known + more, weights):
+        return
+    prompt = data.draw(st.integers(known + (more > 0), known + more))
+    whole = [c if c.overlap_blocks < full else Candidate(
+        c.member, block, data.draw(st.integers(full, prompt // block)), c.index_synced,
+        c.in_flight) for c in cs]
+    assert rank_order(RoutingPolicy.KV_AWARE, whole, prompt, weights, turn, 8)[0] == best.member
