@@ -308,22 +308,27 @@ def test_engine_error_after_keepalive_is_one_sse_error(hostile: Hostile) -> None
 
 def test_a_long_token_id_prompt_does_not_stall_the_governor(hostile: Hostile) -> None:
     """330,000 token ids (1 MiB): checked off the event loop. Checking them on it took
-    ~0.3 s (the vocabulary size read per id) while /health and every stream waited."""
+    ~0.3 s (the vocabulary size read per id) while /health and every stream waited. A
+    second try where the first saw a pause as long as the whole request (the shared machine
+    pausing, once in a full run); a stall is there every time."""
     body = json.dumps({"prompt": [1] * 330_000, "max_tokens": 1}).encode()
     assert len(body) < 1 << 20
-    stop, health = threading.Event(), []
-    pinger = threading.Thread(target=health_latencies, args=(hostile.url, stop, health))
-    pinger.start()
-    time.sleep(0.2)
-    started = time.perf_counter()
-    r = hostile.post("/v1/completions", content=body,
-                     headers={"Content-Type": "application/json"})
-    took = time.perf_counter() - started
-    stop.set()
-    pinger.join()
-    assert_error(r, 400, "input_tokens")
-    print(f"\n[{hostile.kind}] 330,000 token ids refused in {took * 1000:.0f} ms; /health "
-          f"p100 meanwhile {max(health) * 1000:.1f} ms")
+    for _ in range(2):
+        stop, health = threading.Event(), []
+        pinger = threading.Thread(target=health_latencies, args=(hostile.url, stop, health))
+        pinger.start()
+        time.sleep(0.2)
+        started = time.perf_counter()
+        r = hostile.post("/v1/completions", content=body,
+                         headers={"Content-Type": "application/json"})
+        took = time.perf_counter() - started
+        stop.set()
+        pinger.join()
+        assert_error(r, 400, "input_tokens")
+        print(f"\n[{hostile.kind}] 330,000 token ids refused in {took * 1000:.0f} ms; "
+              f"/health p100 meanwhile {max(health) * 1000:.1f} ms")
+        if max(health) < took / 2:
+            break
     assert max(health) < took / 2, (max(health), took)
 
 
