@@ -116,12 +116,15 @@ class StreamChunk:
     request a single chunk carries the whole response object. `usage` is filled when the
     chunk carried usage, so accounting never re-parses. `raw` is the JSON text exactly as
     the engine sent it, when the driver has it: the governor relays it byte for byte.
+    `more`: the next chunk is already at hand (the driver read them together), so a relay
+    may write this one with it, in one write, without delaying either.
     """
 
     data: dict[str, Any] | None
     done: bool = False
     usage: Usage | None = None
     raw: str | None = None
+    more: bool = False
 
 
 @dataclass(eq=False)

@@ -464,9 +464,9 @@ def _status_error(status: int, raw: bytes) -> EngineError:
     return error_from_body(status, raw)
 
 
-def _decoded(decode: Any, raw: Any) -> StreamChunk:
+def _decoded(decode: Any, *args: Any) -> StreamChunk:
     try:
-        return decode(raw)
+        return decode(*args)
     except MalformedUpstreamError as exc:
         raise unavailable(str(exc)) from exc
 
@@ -474,8 +474,9 @@ def _decoded(decode: Any, raw: Any) -> StreamChunk:
 async def _relay_sse(
     response: aiohttp.ClientResponse, first_byte: float, deadline: float, limit: int
 ) -> AsyncGenerator[StreamChunk, None]:
-    """One chunk per SSE data event, through `[DONE]`; a stream cut short is a 502, and so
-    is one whose bytes since its last complete event pass `limit`."""
+    """One chunk per SSE data event, through `[DONE]` (`more` on each but the last of a
+    read); a stream cut short is a 502, and so is one whose bytes since its last complete
+    event pass `limit`."""
     content_type = response.headers.get("Content-Type", "").partition(";")[0]
     if "text/event-stream" not in content_type:
         raise unavailable(f"not an SSE stream: Content-Type is {content_type!r}")
@@ -487,11 +488,11 @@ async def _relay_sse(
         unframed = 0 if events else unframed + len(data)
         if unframed > limit:
             raise unavailable(f"an SSE event is larger than {limit} bytes")
-        for event in events:
+        if events:
             waiting_for = deadline
-            if not event.data:
-                continue
-            chunk = _decoded(chunk_from_event_data, event.data)
+        payloads = [event.data for event in events if event.data]
+        for i, payload in enumerate(payloads, 1):
+            chunk = _decoded(chunk_from_event_data, payload, i < len(payloads))
             yield chunk
             if chunk.done:
                 return

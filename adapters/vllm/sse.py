@@ -90,12 +90,13 @@ def decode_json_object(text: str | bytes, what: str) -> dict[str, Any]:
     return payload
 
 
-def chunk_from_event_data(data: str) -> StreamChunk:
-    """One SSE `data:` payload as a chunk; `[DONE]` becomes the done chunk."""
+def chunk_from_event_data(data: str, more: bool = False) -> StreamChunk:
+    """One SSE `data:` payload as a chunk (`more`: another is at hand after it); `[DONE]`
+    becomes the done chunk."""
     if data.strip() == DONE_MARKER:
-        return StreamChunk(data=None, done=True)
+        return StreamChunk(data=None, done=True, more=more)
     payload = decode_json_object(data, "SSE event")
-    return StreamChunk(data=payload, usage=usage_from(payload), raw=data)
+    return StreamChunk(data=payload, usage=usage_from(payload), raw=data, more=more)
 
 
 def chunk_from_body(raw: bytes) -> StreamChunk:

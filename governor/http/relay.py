@@ -85,29 +85,50 @@ def _usage_only(chunk: StreamChunk) -> bool:
 
 
 class SSEStream:
-    """The client side of one stream: PENDING (no byte sent) or OPEN."""
+    """The client side of one stream: PENDING (no byte sent), OPEN, or ENDED (its last
+    bytes and the body's end sent). Events the engine gave together are written together
+    (`StreamChunk.more`): a write is a system call here and a packet for the client."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response: web.StreamResponse | None = None
+        self.held: list[bytes] = []  # events to write with the next one
+        self.ended = False
 
     @property
     def open(self) -> bool:
         return self.response is not None
 
-    async def send(self, data: bytes) -> None:
+    async def _open(self) -> web.StreamResponse:
         if self.response is None:
             self.response = web.StreamResponse(headers=SSE_HEADERS)
             await self.response.prepare(self.request)
-        await self.response.write(data)
+        return self.response
+
+    async def send(self, data: bytes, more: bool = False) -> None:
+        """Write `data` after what is held, or hold it too where `more` follows at once."""
+        self.held.append(data)
+        if not more:
+            data, self.held = b"".join(self.held), []
+            await (await self._open()).write(data)
+
+    async def end(self, data: bytes) -> None:
+        """The last bytes and the body's end, in one write."""
+        data, self.held = b"".join(self.held) + data, []
+        await (await self._open()).write_eof(data)
+        self.ended = True
 
     async def fail(self, err: APIError) -> web.StreamResponse:
-        """The error as the answer (PENDING) or as a last event and [DONE] (OPEN)."""
-        if self.response is None:
+        """The error as the answer (PENDING, nothing held) or as a last event and [DONE]
+        after what is held (OPEN)."""
+        if self.response is None and not self.held:
             return error_response(err)
+        if self.ended:
+            assert self.response is not None
+            return self.response
         with contextlib.suppress(ConnectionError):
-            await self.response.write(sse_event(err.to_json()) + DONE)
-            await self.response.write_eof()
+            await self.end(sse_event(err.to_json()) + DONE)
+        assert self.response is not None
         return self.response
 
     def abandon(self) -> web.StreamResponse:
@@ -119,10 +140,8 @@ class SSEStream:
         """End the stream. A client may leave once it has `[DONE]`, before the end of the
         body reaches it: everything was sent, so that is a finished request."""
         with contextlib.suppress(ConnectionError):
-            if self.response is None:
-                await self.send(b"")  # sets self.response before it writes
-            assert self.response is not None
-            await self.response.write_eof()
+            if not self.ended:
+                await self.end(b"")  # sets self.response before it writes
         assert self.response is not None
         return self.response
 
@@ -140,9 +159,9 @@ async def relay_stream(request: web.Request, relay: Relay, engine_request: Engin
         while chunk is not None:
             relay.saw(chunk)
             if chunk.done:
-                await stream.send(DONE)
+                await stream.end(DONE)  # the engine's body end is still read, for its reuse
             elif client_wants_usage or not _usage_only(chunk):
-                await stream.send(sse_chunk(chunk))
+                await stream.send(sse_chunk(chunk), chunk.more)
             chunk = await anext(chunks, None)
     except APIError as err:
         relay.finish("engine_error")
