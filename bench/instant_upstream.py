@@ -10,12 +10,13 @@ recent prompts). `fak bench overhead --engine` points at it to measure the gover
 (docs/benchmarks.md); it stays out of the package because serving fake answers is not a
 product feature.
 
-    python bench/instant_upstream.py --port 8101 [--chunks 16]
+    python bench/instant_upstream.py --port 8101 [--chunks 16] [--interval-ms 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -61,7 +62,7 @@ class PrefixMemory:
         return (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE if hit else 0
 
 
-def build_app(chunks: int) -> web.Application:
+def build_app(chunks: int, interval_s: float = 0.0) -> web.Application:
     memory = PrefixMemory()
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -92,6 +93,8 @@ def build_app(chunks: int) -> web.Application:
                      "choices": [{"index": 0, **delta,
                                   "finish_reason": "length" if i == n - 1 else None}]}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if interval_s:  # an engine's pace: one event a step
+                await asyncio.sleep(interval_s)
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"id": "cmpl-1", "object": obj, "created": created, "model": MODEL,
                      "choices": [], "usage": _usage(prompt, n, cached)}
@@ -128,8 +131,11 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8101)
     parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--interval-ms", type=float, default=0.0,
+                        help="pause after each streamed chunk (0: back to back)")
     args = parser.parse_args()
-    web.run_app(build_app(args.chunks), host=args.host, port=args.port, print=None)
+    web.run_app(build_app(args.chunks, args.interval_ms / 1000), host=args.host,
+                port=args.port, print=None)
 
 
 if __name__ == "__main__":

@@ -309,7 +309,8 @@ def run(args: argparse.Namespace) -> None:
             port = free_port()
             upstream = f"http://127.0.0.1:{port}"
             upstream_pid = stack.enter_context(process(
-                [sys.executable, "bench/instant_upstream.py", "--port", str(port)],
+                [sys.executable, "bench/instant_upstream.py", "--port", str(port),
+                 "--interval-ms", str(args.stream_interval_ms)],
                 upstream + "/health"))
         arms = start_arms(stack, tmp, upstream, args)
         script = wrk_script(tmp, args.stream_tokens)
@@ -325,8 +326,8 @@ def run(args: argparse.Namespace) -> None:
                     results.setdefault((name, c), []).append(got)
             print(f"  rep {rep + 1}/{args.reps} done; load average {load_average()}",
                   flush=True)
-        what = (f"streaming, {args.stream_tokens} chunks" if args.stream_tokens
-                else "non-streaming, max_tokens=1")
+        what = (f"streaming, {args.stream_tokens} chunks, {args.stream_interval_ms} ms apart"
+                if args.stream_tokens else "non-streaming, max_tokens=1")
         print(f"\nrequests: {what}")
         report(results, names, args.concurrency,
                [n for n in names if n == "fak" or n in args.fak_roots or n.startswith("fak-w")])
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--stream-tokens", type=int, default=0, help="stream this many "
                         "chunks per request instead (0: the table's non-streaming requests)")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="the upstream pauses this long after each streamed chunk, as an "
+                             "engine paces its steps (0: back to back)")
     args = parser.parse_args(argv)
     if args.litellm_bin and "litellm" not in args.arms:
         args.arms.append("litellm")
