@@ -9,6 +9,7 @@ import dataclasses
 import json
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -225,6 +226,19 @@ async def test_first_byte_timeout_is_a_504() -> None:
         with pytest.raises(EngineError) as err:
             await collect(driver, req({"model": "smollm2", "prompt": "x"}))
     assert err.value.status == 504
+
+
+@pytest.mark.slow
+async def test_a_stream_whose_first_event_is_late_is_a_504() -> None:
+    """The head came at once; no event by the first-byte deadline."""
+    state = Imitation(first_event_delay_s=2.0)
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    async with running(state, first_byte_timeout_s=0.3, total_timeout_s=5.0) as driver:
+        started = time.monotonic()
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req(body, route="chat", stream=True))
+        took = time.monotonic() - started
+    assert err.value.status == 504 and took < 1.5, took
 
 
 @pytest.mark.slow

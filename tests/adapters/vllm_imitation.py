@@ -77,6 +77,7 @@ class Imitation:
     cached: set[tuple[str | None, str | None, str]] = field(default_factory=set)
     die_after_events: int | None = None  # a stream's connection is reset after this many
     end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
+    first_event_delay_s: float = 0.0  # between a stream's head and its first event
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
     peers: list[Any] = field(default_factory=list)  # each request's client address
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -178,6 +179,7 @@ def build_app(state: Imitation) -> web.Application:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         include_usage = (body.get("stream_options") or {}).get("include_usage")
+        await asyncio.sleep(state.first_event_delay_s)
         try:
             for sent, line in enumerate(line for line in SSE_LINES
                                         if include_usage or '"choices":[]' not in line):
