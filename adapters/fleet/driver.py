@@ -212,7 +212,8 @@ class FleetDriver:
         started, cpu_started = time.perf_counter(), time.thread_time()
         kv_aware = self.config.policy is RoutingPolicy.KV_AWARE
         draft = self.tokens.draft(request) if kv_aware else None
-        early = None if draft is None else self._early(draft)
+        # Knowing no id, every rank's overlap could be the whole prompt's: not worth trying.
+        early = None if draft is None or not draft.known else self._early(draft)
         if early is not None:
             self.tokenize_seconds.append(0.0)  # nothing tokenised before it
             self._timed(started, cpu_started)
