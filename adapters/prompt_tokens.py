@@ -97,12 +97,15 @@ class PromptDraft:
 
     request: EngineRequest
     lookup: PrefixLookup
-    more_at_most: int
     chains: dict[ChainKey, list[bytes]] = field(default_factory=dict)
 
     @property
     def known(self) -> list[int]:
         return self.lookup.ids
+
+    @property
+    def more_at_most(self) -> int:
+        return self.lookup.tokens_after_at_most()
 
     def chain(self, namespace: str | None, block_size: int) -> list[bytes]:
         """`prompt_chain` of the known ids' full blocks (the earlier text's keys reused;
@@ -155,9 +158,7 @@ class PromptTokens:
             return None
         if text is None:
             return None
-        found = self.cache.lookup(text, request.tenant)
-        more = 0 if found.cut == len(text) else found.tokens_after_at_most()
-        return PromptDraft(request, found, more)
+        return PromptDraft(request, self.cache.lookup(text, request.tenant))
 
     def finish(self, draft: PromptDraft) -> PromptIds | None:
         """All the ids of a drafted prompt: its new part tokenised (through the cache unless
