@@ -3,6 +3,10 @@ from __future__ import annotations
 import ast
 import inspect
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 import governor.auth as auth_module
 from governor.auth import Authenticator, bearer_token, sha256_hex
 from governor.config import TenantConfig
@@ -47,3 +51,41 @@ def test_secrets_compared_in_constant_time_only() -> None:
                 and any(isinstance(op, ast.Eq | ast.NotEq) for op in n.ops)
                 and names(n) & secret_names]
     assert compares == []
+
+
+def test_a_key_is_found_without_scanning_every_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The admission path costs the same for 2,000 tenants as for one: a presented key's
+    digest is looked up, then compared once (SEC-15), never against every tenant's."""
+    tenants = tuple(TenantConfig(id=f"t{i}", api_key_sha256=(sha256_hex(f"key-{i}"),))
+                    for i in range(2000))
+    auth = Authenticator(tenants, None)
+    calls = []
+    real = auth_module.hmac.compare_digest
+
+    def counted(a: bytes, b: bytes) -> bool:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(auth_module.hmac, "compare_digest", counted)
+    for i in (0, 777, 1999):
+        calls.clear()
+        tenant = auth.tenant_for(f"Bearer key-{i}")
+        assert tenant is not None and tenant.id == f"t{i}"
+        assert len(calls) == 1
+    calls.clear()
+    assert auth.tenant_for("Bearer key-2000") is None
+    assert len(calls) <= 1
+
+
+@given(st.lists(st.text(min_size=1, max_size=40).map(str.strip).filter(bool),
+                min_size=1, max_size=20, unique=True), st.text(max_size=40))
+def test_every_key_maps_to_its_own_tenant(keys: list[str], other: str) -> None:
+    tenants = tuple(TenantConfig(id=f"t{i}", api_key_sha256=(sha256_hex(k),))
+                    for i, k in enumerate(keys))
+    auth = Authenticator(tenants, None)
+    for i, key in enumerate(keys):
+        found = auth.tenant_for(f"Bearer {key}")
+        assert found is not None and found.id == f"t{i}"
+    token = other.strip()
+    if token and token not in keys and " " not in token:
+        assert auth.tenant_for(f"Bearer {other}") is None
