@@ -59,6 +59,7 @@ class Candidate:
     index_synced: bool
     in_flight: int
     engine_load: float | None = None
+    may_grow: bool = True  # False: the rank holds nothing the prompt's later ids could match
 
     @property
     def load(self) -> float:
@@ -89,13 +90,19 @@ def beats_whatever_follows(best: Candidate, candidates: Sequence[Candidate], kno
     where it matched every known block, up to the prompt's full blocks; `best`'s growing
     only helps it. No rank is credited more blocks than the prompt has, so the prompt's
     blocks cancel out of a comparison: `best` wins whatever follows when its cost is lower
-    than another's even at that one's most overlap (by more than rounding)."""
+    than another's even at that one's most overlap (by more than rounding). A rank that
+    cannot grow (`may_grow` False, a known block missed, or no credit) and ties `best` in
+    overlap and load ties it for every prompt alike: the rotation orders the two, as it will
+    on the whole prompt."""
     for other in candidates:
         if other.member == best.member:
             continue
         ceiling = most_tokens // other.block_size
-        most = ceiling if other.index_synced and \
-            other.overlap_blocks >= known_tokens // other.block_size else other.credited_blocks
+        grows = other.index_synced and other.may_grow and \
+            other.overlap_blocks >= known_tokens // other.block_size
+        most = ceiling if grows else other.credited_blocks
+        if not grows and most == best.credited_blocks and other.load == best.load:
+            continue
         edge = weights.overlap_weight * (best.credited_blocks - most) + \
             weights.load_weight * (other.load - best.load)
         scale = 1 + weights.overlap_weight * ceiling + \

@@ -212,8 +212,10 @@ class FleetDriver:
         started, cpu_started = time.perf_counter(), time.thread_time()
         kv_aware = self.config.policy is RoutingPolicy.KV_AWARE
         draft = self.tokens.draft(request) if kv_aware else None
-        # Knowing no id, every rank's overlap could be the whole prompt's: not worth trying.
-        early = None if draft is None or not draft.known else self._early(draft)
+        # Knowing no id, a rank's overlap could be the whole prompt's wherever it holds
+        # anything of the namespace: then not worth trying.
+        early = None if draft is None or (not draft.known and self._any_may_hold(
+            request.cache_salt)) else self._early(draft)
         if early is not None:
             self.tokenize_seconds.append(0.0)  # nothing tokenised before it
             self._timed(started, cpu_started)
@@ -277,15 +279,26 @@ class FleetDriver:
 
     def _candidates(self, request: EngineRequest, tokens: PromptIds | PromptDraft | None
                     ) -> list[Candidate]:
-        """The members that are up, with their overlap (a draft's: of its known ids)."""
+        """The members that are up, with their overlap (a draft's: of its known ids, and
+        whether it could match more of the prompt)."""
         candidates = []
         for index, member in enumerate(self.members):
             if member.upstream.up:
                 overlap, synced = self._overlap(member, request.cache_salt, tokens)
+                grows = not isinstance(tokens, PromptDraft) or self._may_hold(
+                    member, request.cache_salt)
                 candidates.append(Candidate(
                     index, member.upstream.driver.capabilities.block_size or 1, overlap,
-                    synced, member.in_flight, member.engine_load))
+                    synced, member.in_flight, member.engine_load, grows))
         return candidates
+
+    def _may_hold(self, member: Member, salt: str | None) -> bool:
+        """Whether `member`'s index could match anything in the namespace of `salt`."""
+        key, kv = self._chain_key(member, salt), member.upstream.driver.kv
+        return key is not None and kv is not None and kv.index(member.rank).may_hold(key[0])
+
+    def _any_may_hold(self, salt: str | None) -> bool:
+        return any(self._may_hold(m, salt) for m in self.members if m.upstream.up)
 
     def _settled(self, decision: Decision, tokens: PromptIds | None,
                  candidates: list[Candidate], turn: int) -> None:

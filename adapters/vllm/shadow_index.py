@@ -178,6 +178,12 @@ class ShadowIndex:
         """Blocks per namespace digest (None: unsalted)."""
         return {ns: len(hashes) for ns, hashes in self._by_namespace.items() if hashes}
 
+    def may_hold(self, namespace: str | None) -> bool:
+        """Whether a prompt's chain in `namespace` (a digest, as `namespace_id` gives) could
+        match here at all: every block with a chain key of that namespace is a certain
+        block of it, or an uncertain one."""
+        return bool(self._by_namespace.get(namespace)) or bool(self._uncertain)
+
     def all_blocks(self) -> frozenset[int]:
         return frozenset(self._blocks)
 

@@ -260,6 +260,47 @@ async def test_an_early_decision_settles_to_the_one_on_the_whole_prompt(kv_fleet
     assert full.predicted["a/0"] == full.predicted["b/0"] > 3 * BLOCK
 
 
+async def test_a_text_no_rank_could_match_is_routed_before_it_is_tokenised(kv_fleet) -> None:
+    """A tenant's first text, of a namespace no rank holds a block of: every overlap is
+    exactly none, so the loads decide before anything is tokenised (ties rotate, as on the
+    whole prompt); settled, it is the decision on all the ids. Once a rank holds any block
+    of the namespace, an unknown text of it is tokenised first; other tenants still are not."""
+    fleet, engines = kv_fleet
+    fleet.tokens = PromptTokens.load("embedded", 1024)
+    whole = PromptTokens.load("embedded")
+    texts = [" ".join(f"v{n}w{i}" for i in range(200)) for n in range(6)]
+    # Both ranks synced, holding another tenant's block: carol's namespace is empty on each.
+    for engine, first_hash in zip(engines, (300, 400), strict=True):
+        await engine.publish(batch_frames(0, [stored_chain(list(range(BLOCK)), "fak1-zed",
+                                                           first_hash)]))
+    a, b = fleet.upstream("a").driver.kv, fleet.upstream("b").driver.kv
+    await wait_for(lambda: a is not None and b is not None and len(a.index()) == 1
+                   and len(b.index()) == 1 and a.state().value == b.state().value == "synced")
+    fleet.members[1].in_flight = 1  # b is busier: a wins by its load
+    early = fleet.decide(completion(texts[0], salt="fak1-carol"))
+    assert early.pending is not None and fleet.early_decisions == 1 and early.predicted == {}
+    early.settle()
+    fleet.tokens, cached = whole, fleet.tokens
+    settled = fleet.route(completion(texts[0], salt="fak1-carol"))
+    fleet.tokens = cached
+    assert [m.name for m in early.order] == [m.name for m in settled.order] == ["a/0", "b/0"]
+    assert early.predicted == settled.predicted == {"a/0": 0, "b/0": 0}
+    assert early.prompt_tokens == settled.prompt_tokens
+    fleet.members[1].in_flight = 0  # a tie: the rotation decides, early too
+    firsts = {fleet.decide(completion(text, salt="fak1-carol")).order[0].name
+              for text in texts[1:3]}
+    assert firsts == {"a/0", "b/0"} and fleet.early_decisions == 3
+    ids = whole.of(completion(texts[3], salt="fak1-carol"))
+    assert ids is not None
+    await engines[1].publish(batch_frames(1, [stored_chain(ids.ids[:BLOCK], "fak1-carol",
+                                                           800)]))
+    await wait_for(lambda: len(b.index()) == 2 and b.state().value == "synced")
+    assert fleet.decide(completion(texts[4], salt="fak1-carol")).pending is None
+    assert fleet.decide(completion(texts[5], salt="fak1-dave")).pending is not None
+    assert fleet.early_decisions == 4
+    fleet.check_integrity()
+
+
 @pytest.mark.slow
 async def test_kv_aware_credits_only_the_requests_namespace_and_synced_ranks(kv_fleet) -> None:
     fleet, (_, engine_b) = kv_fleet

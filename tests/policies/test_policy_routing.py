@@ -101,7 +101,24 @@ def test_a_rank_holding_the_known_blocks_wins_early_unless_another_could_catch_u
     assert beats_whatever_follows(cand(0, overlap=2), [cand(0, overlap=2),
                                                        cand(1, overlap=4, synced=False)],
                                   128, 228, W)
-    assert not beats_whatever_follows(idle, [idle, cand(2, overlap=1)], 128, 228, W)  # a tie
+    # A tie with a rank that cannot grow (it missed a known block) is a tie on the whole
+    # prompt too, which the rotation settles alike; a tie with one that may grow is not.
+    assert beats_whatever_follows(idle, [idle, cand(2, overlap=1)], 128, 228, W)
+    assert not beats_whatever_follows(cand(0, overlap=4), [cand(0, overlap=4),
+                                                           cand(1, overlap=4)], 128, 228, W)
+
+
+def test_with_no_known_ids_only_ranks_holding_nothing_of_the_namespace_decide_early() -> None:
+    """Nothing known (a text the tenant never sent): a rank holding any of the namespace
+    could match the whole prompt; ranks holding none of it are exact at no overlap."""
+    empty = [cand(0, in_flight=1), cand(1, in_flight=3), cand(2, in_flight=1)]
+    empty = [Candidate(c.member, 32, 0, True, c.in_flight, None, may_grow=False)
+             for c in empty]
+    assert beats_whatever_follows(empty[0], empty, 0, 500, W)  # member 2 ties: rotation
+    holding = [empty[0], empty[1], cand(2, in_flight=1)]
+    assert not beats_whatever_follows(empty[0], holding, 0, 500, W)
+    # A rank that may grow but is far busier cannot catch up within the prompt's blocks.
+    assert beats_whatever_follows(empty[0], [empty[0], cand(1, in_flight=40)], 0, 500, W)
 
 
 @given(st.data(), st.integers(1, 32), st.integers(0, 300), st.integers(0, 100),
@@ -111,16 +128,16 @@ def test_an_early_winner_is_first_for_every_prompt_the_known_ids_allow(
     """`beats_whatever_follows` against the decision on the whole prompt: whatever the
     prompt's length and each rank's overlap past the known blocks, the early winner is first."""
     weights, full = RoutingWeights(overlap_weight, load_weight), known // block
-    cs = data.draw(st.lists(st.builds(cand, st.integers(0, 7), st.integers(0, full),
-                                      st.booleans(), st.integers(0, 20), st.none(),
-                                      st.just(block)),
+    cs = data.draw(st.lists(st.builds(Candidate, st.integers(0, 7), st.just(block),
+                                      st.integers(0, full), st.booleans(), st.integers(0, 4),
+                                      st.none(), st.booleans()),
                             min_size=1, max_size=8, unique_by=lambda c: c.member))
     best = next(c for c in cs if c.member == rank_order(RoutingPolicy.KV_AWARE, cs, known + 1,
                                                         weights, turn, 8)[0])
     if not beats_whatever_follows(best, cs, known, known + more, weights):
         return
     prompt = data.draw(st.integers(known + (more > 0), known + more))
-    whole = [c if c.overlap_blocks < full else Candidate(
+    whole = [c if c.overlap_blocks < full or not c.may_grow else Candidate(
         c.member, block, data.draw(st.integers(full, prompt // block)), c.index_synced,
         c.in_flight) for c in cs]
     assert rank_order(RoutingPolicy.KV_AWARE, whole, prompt, weights, turn, 8)[0] == best.member
