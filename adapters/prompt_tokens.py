@@ -91,17 +91,17 @@ class PromptIds:
 
 @dataclass(frozen=True, slots=True)
 class PromptDraft:
-    """A text prompt's ids before its new part is tokenised: `lookup.ids` lead them, and
-    at most `more_at_most` follow (0: they are all known). `PromptTokens.finish` gives them
-    all; `chains`: the known ids' chains so far."""
+    """A text prompt's ids before its new part is tokenised: `known` of them are known
+    (`lookup.ids`), and at most `more_at_most` follow (0: they are all known).
+    `PromptTokens.finish` gives them all; `chains`: the known ids' chains so far."""
 
     request: EngineRequest
     lookup: PrefixLookup
     chains: dict[ChainKey, list[bytes]] = field(default_factory=dict)
 
     @property
-    def known(self) -> list[int]:
-        return self.lookup.ids
+    def known(self) -> int:
+        return self.lookup.count
 
     @property
     def more_at_most(self) -> int:
@@ -113,7 +113,7 @@ class PromptDraft:
         key = (namespace, block_size)
         chain = self.chains.get(key)
         if chain is None:
-            full = len(self.lookup.ids) // block_size
+            full = self.lookup.count // block_size
             head = (self.lookup.base_memo or {}).get(key, ())[:full]
             chain = self.chains[key] = head if len(head) == full else prompt_chain(
                 namespace, self.lookup.ids, block_size, head)

@@ -280,25 +280,30 @@ class FleetDriver:
     def _candidates(self, request: EngineRequest, tokens: PromptIds | PromptDraft | None
                     ) -> list[Candidate]:
         """The members that are up, with their overlap (a draft's: of its known ids, and
-        whether it could match more of the prompt)."""
-        candidates = []
+        whether it could match more of the prompt). Each member's chain key is derived once
+        here: a decision between requests runs with the caches cold, where every lookup
+        costs."""
+        candidates, salt = [], request.cache_salt
+        drafted = isinstance(tokens, PromptDraft)
         for index, member in enumerate(self.members):
             if member.upstream.up:
-                overlap, synced = self._overlap(member, request.cache_salt, tokens)
-                grows = not isinstance(tokens, PromptDraft) or self._may_hold(
-                    member, request.cache_salt)
+                key = self._chain_key(member, salt)
+                overlap, synced = self._overlap(member, key, tokens)
                 candidates.append(Candidate(
                     index, member.upstream.driver.capabilities.block_size or 1, overlap,
-                    synced, member.in_flight, member.engine_load, grows))
+                    synced, member.in_flight, member.engine_load,
+                    not drafted or self._may_hold(member, key)))
         return candidates
 
-    def _may_hold(self, member: Member, salt: str | None) -> bool:
-        """Whether `member`'s index could match anything in the namespace of `salt`."""
-        key, kv = self._chain_key(member, salt), member.upstream.driver.kv
+    @staticmethod
+    def _may_hold(member: Member, key: ChainKey | None) -> bool:
+        """Whether `member`'s index could match anything in the namespace of `key`."""
+        kv = member.upstream.driver.kv
         return key is not None and kv is not None and kv.index(member.rank).may_hold(key[0])
 
     def _any_may_hold(self, salt: str | None) -> bool:
-        return any(self._may_hold(m, salt) for m in self.members if m.upstream.up)
+        return any(self._may_hold(m, self._chain_key(m, salt)) for m in self.members
+                   if m.upstream.up)
 
     def _settled(self, decision: Decision, tokens: PromptIds | None,
                  candidates: list[Candidate], turn: int) -> None:
@@ -323,7 +328,7 @@ class FleetDriver:
         other at their most (policies.routing.beats_whatever_follows). None otherwise.
         The rest is settled later (`Decision.settle`) with the loads and turn of now."""
         candidates = self._candidates(draft.request, draft)
-        known, most = len(draft.known), len(draft.known) + draft.more_at_most
+        known, most = draft.known, draft.known + draft.more_at_most
         if not candidates or len({c.block_size for c in candidates}) != 1:
             return None
         turn = self._turn
@@ -342,9 +347,11 @@ class FleetDriver:
                 turn: int) -> None:
         started = time.perf_counter()
         tokens = self.tokens.finish(draft)
-        exact = [dataclasses.replace(c, overlap_blocks=self._overlap(
-            self.members[c.member], draft.request.cache_salt, tokens)[0])
-            for c in candidates]
+        salt, exact = draft.request.cache_salt, []
+        for c in candidates:
+            member = self.members[c.member]
+            overlap = self._overlap(member, self._chain_key(member, salt), tokens)[0]
+            exact.append(dataclasses.replace(c, overlap_blocks=overlap))
         self._settled(decision, tokens, exact, turn)
         self.settle_seconds.append(time.perf_counter() - started)
 
@@ -352,11 +359,14 @@ class FleetDriver:
         self.decision_seconds.append(time.perf_counter() - started)
         self.decision_cpu_seconds.append(time.thread_time() - cpu_started)
 
-    def _overlap(self, member: Member, salt: str | None, tokens: PromptIds | PromptDraft | None
+    @staticmethod
+    def _overlap(member: Member, key: ChainKey | None, tokens: PromptIds | PromptDraft | None
                  ) -> tuple[int, bool]:
+        """`member`'s leading blocks of the prompt in its index, in the namespace of `key`
+        (its `_chain_key`), and whether that index is SYNCED."""
         if tokens is None or (isinstance(tokens, PromptIds) and not tokens.ids):
             return 0, False  # (a draft's known ids may be none: its chain is empty)
-        key, kv = self._chain_key(member, salt), member.upstream.driver.kv
+        kv = member.upstream.driver.kv
         if key is None or kv is None:
             return 0, False
         chain = tokens.chain(*key)  # once per request and key

@@ -262,7 +262,7 @@ class KVEventSubscriber:
 
     def state(self, dp_rank: int = 0) -> SyncState:
         rank = self._rank(dp_rank)
-        running = bool(self._tasks) and not any(t.done() for t in self._tasks)
+        running = bool(self._tasks) and not any(map(asyncio.Task.done, self._tasks))
         if not running or rank.awaiting_resume:
             return SyncState.STALE
         return rank.continuity

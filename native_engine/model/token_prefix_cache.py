@@ -85,19 +85,28 @@ class PrefixedIds:
 
 @dataclass(frozen=True, slots=True)
 class PrefixLookup:
-    """`TokenPrefixCache.lookup`'s answer: the first `len(ids)` ids of `text` are `ids`
-    (those of `base`, a kept text; `[]` and None when none shares a checkpointed prefix),
-    and they end at character `cut` (`len(text)`: the text was seen whole). `keys`,
-    `cuts`, `counts`: what `complete` keeps of it."""
+    """`TokenPrefixCache.lookup`'s answer: the first `count` ids of `text` are those of
+    `base`, a kept text (0 and None when none shares a checkpointed prefix), and they end
+    at character `cut` (`len(text)`: the text was seen whole). `keys` and `base`'s first
+    `held` cuts: what `complete` keeps of it.
+
+    Nothing of `base` is copied here: a kept text's ids and cuts only ever grow at their
+    end, so their prefixes read later are the ones of now. A routing decision reads only
+    `count` (a copy of a few hundred ids touches every id object, and between requests
+    the caches are cold); `complete` copies them once."""
 
     text: str
     namespace: str | None
     keys: list[int]
     base: _Text | None
     cut: int
-    ids: list[int]
-    cuts: list[int]
-    counts: list[int]
+    count: int
+    held: int
+
+    @property
+    def ids(self) -> list[int]:
+        """The known ids (a copy)."""
+        return [] if self.base is None else self.base.ids[:self.count]
 
     @property
     def base_memo(self) -> dict[Hashable, Any] | None:
@@ -185,27 +194,27 @@ class TokenPrefixCache:
         base, length = self._longest(text, namespace, keys)
         if base is None:
             self.stats.misses += 1
-            return PrefixLookup(text, namespace, keys[length // self.stride:], None, 0, [],
-                                [0], [0])
+            return PrefixLookup(text, namespace, keys[length // self.stride:], None, 0, 0, 0)
         self.stats.hits += 1
         self._texts.move_to_end(id(base))
         if base.text == text:
-            return PrefixLookup(text, namespace, [], base, len(text), base.ids, [], [])
+            return PrefixLookup(text, namespace, [], base, len(text), len(base.ids), 0)
         shared = _shared_length(text, base.text, length)
         limit = shared - self.margin(text, shared)
         self._read_cuts(base, limit)
         i = max(bisect.bisect_right(base.cuts, limit) - 1, 0)
         return PrefixLookup(text, namespace, keys[length // self.stride:], base,
-                            base.cuts[i], base.ids[:base.counts[i]], base.cuts[:i + 1],
-                            base.counts[:i + 1])
+                            base.cuts[i], base.counts[i], i + 1)
 
     def complete(self, found: PrefixLookup) -> PrefixedIds:
         """`found`'s text's ids: its known ids, then the rest tokenised (and the text kept)."""
-        base, count = found.base, len(found.ids)
+        base, count = found.base, found.count
         self.stats.reused_tokens += count
         if base is not None and found.cut == len(found.text):
-            return PrefixedIds(list(found.ids), count, base.memo, base.memo)
-        entry = _Text(found.namespace, found.text, list(found.ids), found.cuts, found.counts)
+            return PrefixedIds(found.ids, count, base.memo, base.memo)
+        entry = _Text(found.namespace, found.text, found.ids) if base is None else _Text(
+            found.namespace, found.text, found.ids, base.cuts[:found.held],
+            base.counts[:found.held])
         self._extend(entry, found.cut, count, found.text[found.cut:])
         self._remember(entry, found.keys)
         return PrefixedIds(list(entry.ids), count, entry.memo,
@@ -216,7 +225,7 @@ class TokenPrefixCache:
         and past any added token that could start before the cut and end after `length`
         (none can where no added token's first character is in the last stretch)."""
         window = text[max(length - self.longest_added, 0):length]
-        if any(ch in window for ch in self._added_starts):
+        if not self._added_starts.isdisjoint(window):
             return max(REGEX_LOOKAHEAD, self.longest_added) + 1
         return REGEX_LOOKAHEAD + 1
 
