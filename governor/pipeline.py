@@ -108,18 +108,20 @@ def _client_salts(value: Any, policy: str) -> tuple[Any, int]:
 
 def _forwarded(body: AnyRequest, model: str, max_tokens: int,
                drop: tuple[str, ...]) -> AnyRequest:
-    """The client's body with what only the governor decides put in (no re-validation)."""
-    update: dict[str, Any] = {"model": model, "max_tokens": max_tokens}
+    """The client's body with what only the governor decides put in, in place (it was
+    parsed for this request alone; a copy cost 2 µs a request) and not re-validated."""
+    body.model = model
+    body.max_tokens = max_tokens
     if isinstance(body, ChatRequest):
-        update["max_completion_tokens"] = max_tokens
+        body.max_completion_tokens = max_tokens
     if body.stream:
         options = body.stream_options or StreamOptions()
-        update["stream_options"] = options.model_copy(update={"include_usage": True})
-    forwarded = body.model_copy(update=update)
-    forwarded.model_fields_set.discard("priority")
-    forwarded.model_fields_set.discard("cache_salt")
-    extra = forwarded.__pydantic_extra__
+        options.include_usage = True
+        body.stream_options = options
+    body.model_fields_set.discard("priority")
+    body.model_fields_set.discard("cache_salt")
+    extra = body.__pydantic_extra__
     if extra is not None:
         for name in drop:
             extra.pop(name, None)
-    return forwarded
+    return body
