@@ -209,7 +209,8 @@ class FleetDriver:
         """Order the members that are up for this request (policies.routing): early, on
         the ids the token-prefix cache knows, where they fix the first member (`_early`);
         else on all the prompt's ids."""
-        started, cpu_started = time.perf_counter(), time.thread_time()
+        cpu_started = time.thread_time()  # a system call: outside the wall-clock span
+        started = time.perf_counter()
         kv_aware = self.config.policy is RoutingPolicy.KV_AWARE
         draft = self.tokens.draft(request) if kv_aware else None
         # Knowing no id, a rank's overlap could be the whole prompt's wherever it holds
@@ -217,8 +218,8 @@ class FleetDriver:
         early = None if draft is None or (not draft.known and self._any_may_hold(
             request.cache_salt)) else self._early(draft)
         if early is not None:
-            self.tokenize_seconds.append(0.0)  # nothing tokenised before it
             self._timed(started, cpu_started)
+            self.tokenize_seconds.append(0.0)  # nothing tokenised before it
             return early
         if draft is not None:
             tokens = self.tokens.finish(draft)
