@@ -212,9 +212,9 @@ class TokenPrefixCache:
         self.stats.reused_tokens += count
         if base is not None and found.cut == len(found.text):
             return PrefixedIds(found.ids, count, base.memo, base.memo)
-        entry = _Text(found.namespace, found.text, found.ids) if base is None else _Text(
-            found.namespace, found.text, found.ids, base.cuts[:found.held],
-            base.counts[:found.held])
+        cuts, counts = ([0], [0]) if base is None else (base.cuts[:found.held],
+                                                       base.counts[:found.held])
+        entry = _Text(found.namespace, found.text, found.ids, cuts, counts)
         self._extend(entry, found.cut, count, found.text[found.cut:])
         self._remember(entry, found.keys)
         return PrefixedIds(list(entry.ids), count, entry.memo,
