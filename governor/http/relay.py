@@ -38,8 +38,10 @@ DONE = b"data: [DONE]\n\n"
 class Relay:
     """One accepted request: its tenant, timings and accounting, as plain fields."""
 
-    def __init__(self, gov: Governor, tenant: str, route: str, meters: TenantMeters) -> None:
+    def __init__(self, gov: Governor, tenant: str, route: str, meters: TenantMeters,
+                 admission_wait_s: float = 0.0) -> None:
         self.gov, self.tenant, self.route, self.meters = gov, tenant, route, meters
+        self.admission_wait_s = admission_wait_s
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.usage: Usage | None = None
@@ -60,6 +62,7 @@ class Relay:
             return
         self.outcome = outcome
         m = self.meters
+        m.admission_wait.observe(self.admission_wait_s)
         m.requests(self.route, outcome).inc()
         m.e2e.observe(time.monotonic() - self.started)
         if self.first_token_at is not None:
@@ -206,7 +209,10 @@ async def _settle(pending: asyncio.Future[Any] | None) -> None:
         await pending
 
 
-async def relay_once(relay: Relay, engine_request: EngineRequest) -> web.Response:
+async def relay_once(request: web.Request, relay: Relay,
+                     engine_request: EngineRequest) -> web.StreamResponse:
+    """The engine's whole answer, written before it is accounted (`Relay.finish` then has
+    the client's time too)."""
     chunks: AsyncGenerator[StreamChunk, None] = relay.gov.driver.generate(engine_request)
     try:
         chunk = await anext(chunks)
@@ -219,7 +225,15 @@ async def relay_once(relay: Relay, engine_request: EngineRequest) -> web.Respons
     finally:
         await chunks.aclose()
     relay.saw(chunk)
+    response = (web.Response(text=chunk.raw, content_type="application/json")
+                if chunk.raw is not None else web.json_response(chunk.data))
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except (ConnectionError, asyncio.CancelledError) as exc:  # the client left first
+        relay.finish("client_disconnect")
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return response  # aiohttp writes nothing more to a closed transport
     relay.finish("ok")
-    if chunk.raw is not None:
-        return web.Response(text=chunk.raw, content_type="application/json")
-    return web.json_response(chunk.data)
+    return response

@@ -3,7 +3,10 @@
 A generation request, in order: authenticate (headers only) → a place in the admission
 queue (429 at once when full — before a byte of the body is read) → the whole body within
 its size and time limits → the pipeline (governor.pipeline) → an engine slot → relay. The
-queue place is given back on every path out.
+queue place is given back on every path out. The metrics wait until the answer is out: at
+one request in a while that code runs with cold caches, and on the way to the engine or the
+client it is latency. (What the audit must record is noted before the request is served: a
+log that cannot take it refuses the request.)
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.St
             server = gov.config.server
             raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
             request_id = f"fak-{secrets.token_hex(16)}"  # 128 random bits, no UUID object
-            if find_client_salt_headers(request.headers.keys()):
+            if find_client_salt_headers(request.headers.keys()):  # audited before it is served
                 gov.metrics.client_salt_headers.labels(tenant.id).inc()
                 gov.audit_counters.note(tenant.id, "client_header_dropped")
             if len(raw) < OFF_LOOP_BYTES:
@@ -43,13 +46,12 @@ def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.St
                 prepared = await asyncio.to_thread(gov.prepare_raw, tenant, route, raw,
                                                    request_id)
             waited = await gov.admit(ticket)
-            meters = gov.metrics.for_tenant(tenant.id, tenant.tenant_class)
-            meters.admission_wait.observe(waited)
-            relay = Relay(gov, tenant.id, route, meters)
+            relay = Relay(gov, tenant.id, route,
+                          gov.metrics.for_tenant(tenant.id, tenant.tenant_class), waited)
             if prepared.request.stream:
                 return await relay_stream(request, relay, prepared.request,
                                           prepared.wants_usage)
-            return await relay_once(relay, prepared.request)
+            return await relay_once(request, relay, prepared.request)
         except GovernorError as err:
             gov.metrics.rejections.labels(tenant.id, err.reason).inc()
             raise

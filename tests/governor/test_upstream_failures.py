@@ -1,7 +1,8 @@
 """Upstream failures as a tenant sees them through a real governor over the vLLM driver:
 a refused connection is a 502, a timeout a 504 (both as the status while nothing was sent,
 as one SSE error event and `[DONE]` once the stream is open), an engine dying mid-stream is
-the chunks so far then a 502 event, and a client that goes away aborts the upstream request.
+the chunks so far then a 502 event, a client that goes away aborts the upstream request, and
+a whole answer leaves before it is accounted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from governor.auth import sha256_hex
 from governor.config import parse_config
+from governor.http.relay import Relay
 from governor.serve import build_governor
 from governor.state import Governor
 from schemas.engine import EngineCapabilities
@@ -139,3 +141,32 @@ def test_client_disconnect_aborts_the_upstream_request(tmp_path: Path) -> None:
         assert json.loads(first[6:])["object"] == "chat.completion.chunk"
         assert eventually(state.disconnected.is_set), "the upstream request was not aborted"
         assert settled(gov)
+
+
+def test_a_whole_answer_is_out_before_it_is_accounted(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metrics wait until the client has its answer: accounting that holds the loop
+    (here 2 s asleep) does not hold the answer, and is still done."""
+    def complete() -> httpx.Response:
+        return HTTP.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                         timeout=30, headers={"Authorization": f"Bearer {KEY}"})
+
+    with governed(tmp_path, Imitation()) as (url, gov):
+        first = complete()  # the connections made, the engine probed
+        assert first.status_code == 200 and settled(gov), first.text
+        finish = Relay.finish
+
+        def slow_finish(relay: Relay, outcome: str) -> None:
+            time.sleep(2.0)
+            finish(relay, outcome)
+
+        monkeypatch.setattr(Relay, "finish", slow_finish)
+        started = time.monotonic()
+        response = complete()
+        took = time.monotonic() - started
+        assert response.status_code == 200 and response.json()["choices"]
+        assert took < 1.5, f"the answer waited {took:.2f} s for the accounting"
+        assert settled(gov)
+        ok = [s.value for s in gov.metrics.requests.collect()[0].samples
+              if s.name.endswith("_total") and s.labels["outcome"] == "ok"]
+        assert sum(ok) == 2
