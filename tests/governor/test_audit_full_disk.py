@@ -60,6 +60,11 @@ def test_rotation_on_a_full_disk_neither_bumps_nor_answers_success(tmp_path: Pat
             salty = HTTP.post(url + "/v1/completions", json={"prompt": "x", "cache_salt": "s"},
                               headers={"Authorization": "Bearer key-acme"})
             assert salty.status_code == 503  # a client event that cannot be recorded
+            header = HTTP.post(url + "/v1/completions", json={"prompt": "x"},
+                               headers={"Authorization": "Bearer key-acme",
+                                        "X-Cache-Salt": "s"})  # dropped, so audited first
+            assert header.status_code == 503, header.text
+            assert "audit log cannot be written" in header.json()["error"]["message"]
         finally:
             thread.stop()
             gov.audit.close()
