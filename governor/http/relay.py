@@ -39,7 +39,7 @@ class Relay:
     """One accepted request: its tenant, timings and accounting, as plain fields."""
 
     def __init__(self, gov: Governor, tenant: str, route: str, meters: TenantMeters,
-                 admission_wait_s: float = 0.0) -> None:
+                 admission_wait_s: float) -> None:
         self.gov, self.tenant, self.route, self.meters = gov, tenant, route, meters
         self.admission_wait_s = admission_wait_s
         self.started = time.monotonic()
@@ -230,10 +230,11 @@ async def relay_once(request: web.Request, relay: Relay,
     try:
         await response.prepare(request)
         await response.write_eof()
-    except (ConnectionError, asyncio.CancelledError) as exc:  # the client left first
+    except asyncio.CancelledError:
         relay.finish("client_disconnect")
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        return response  # aiohttp writes nothing more to a closed transport
+        raise
+    except ConnectionError:  # the client left first; aiohttp writes nothing more to it
+        relay.finish("client_disconnect")
+        return response
     relay.finish("ok")
     return response

@@ -86,7 +86,7 @@ async def relayed(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> tuple[byte
 
     async def handle(request: web.Request) -> web.StreamResponse:
         relay = Relay(engine, "t", "completions",  # type: ignore[arg-type]
-                      TenantMeters(GovernorMetrics(), "t", "standard"))
+                      TenantMeters(GovernorMetrics(), "t", "standard"), 0.0)
         response = await relay_stream(request, relay, None, False)  # type: ignore[arg-type]
         outcomes.append(relay.outcome)
         return response

@@ -82,7 +82,7 @@ async def test_a_client_that_leaves_mid_stream_is_a_disconnect_not_an_error() ->
     async def handle(request: web.Request) -> web.StreamResponse:
         engine = LeavingClientEngine(request)
         relay = Relay(engine, "t", "completions",  # type: ignore[arg-type]
-                      TenantMeters(GovernorMetrics(), "t", "standard"))
+                      TenantMeters(GovernorMetrics(), "t", "standard"), 0.0)
         response = await relay_stream(request, relay, None, False)  # type: ignore[arg-type]
         seen.append((relay.outcome, engine.aborted))
         return response
