@@ -146,20 +146,32 @@ class BusyEngine:
         await self._task
 
 
+UNANSWERED_RESET = "reset_transport_error_504"
+
+
 async def test_flush_during_a_long_request_is_never_verified(vllm_server: VllmServer,
                                                              tmp_path: Path) -> None:
-    async with service_on(vllm_server, tmp_path) as service:
-        busy = BusyEngine(service, vllm_server.model)
-        await busy.start()  # a request is running from here to stop()
-        try:
-            record = await service.quarantine(span_request(letters(200)))
-        finally:
-            await busy.stop()
-    assert busy.problem is None, busy.problem
-    detail = json.dumps(record.to_json())
-    assert record.state is AuditState.FAILED, detail
-    assert record.evidence.engine_result == "reset_refused_requests_running", detail
-    assert record.evidence.probe_after_cached_tokens is None, detail
+    """A reset vLLM leaves unanswered past the control client's timeout is FAILED too, but it
+    is not the refusal under test: a CI run saw vLLM answer neither the reset nor publish for
+    45 s (a stall this test could not reproduce, even with the cores taken by busy loops).
+    Then the quarantine is asked once more; every record must be FAILED either way."""
+    results: list[str | None] = []
+    for attempt in range(2):
+        async with service_on(vllm_server, tmp_path / str(attempt)) as service:
+            busy = BusyEngine(service, vllm_server.model)
+            await busy.start()  # a request is running from here to stop()
+            try:
+                record = await service.quarantine(span_request(letters(200)))
+            finally:
+                await busy.stop()
+        assert busy.problem is None, busy.problem
+        detail = json.dumps(record.to_json())
+        assert record.state is AuditState.FAILED, detail
+        assert record.evidence.probe_after_cached_tokens is None, detail
+        results.append(record.evidence.engine_result)
+        if results[-1] != UNANSWERED_RESET:
+            break
+    assert results[-1] == "reset_refused_requests_running", (results, detail)
 
 
 async def test_lost_kv_batches_are_never_verified(vllm_server: VllmServer,
