@@ -93,12 +93,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None
 
 @contextlib.contextmanager
 def process(cmd: list[str], ready_url: str, root: Path = ROOT,
-            env: dict[str, str] | None = None) -> Iterator[int]:
+            env: dict[str, str] | None = None, ready_timeout_s: float = 120) -> Iterator[int]:
     env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        wait_ready(ready_url, proc)
+        wait_ready(ready_url, proc, ready_timeout_s)
         yield proc.pid
     finally:
         proc.terminate()
@@ -264,8 +264,10 @@ def serve_bare_proxy(client: str, port: int, upstream: str, processes: int = 1) 
 
 
 def start_arms(stack: contextlib.ExitStack, tmp: Path, upstream: str,
-               args: argparse.Namespace) -> dict[str, Arm]:
-    """Every arm (the upstream itself is `direct`)."""
+               args: argparse.Namespace, under: tuple[str, ...] = (),
+               ready_timeout_s: float = 120) -> dict[str, Arm]:
+    """Every arm (the upstream itself is `direct`); `under` prefixes each arm's command (a
+    tool it runs under, as bench/instructions.py's valgrind)."""
     py = sys.executable
     arms = {"direct": Arm(upstream, None)}
     for name in args.arms:
@@ -280,12 +282,14 @@ def start_arms(stack: contextlib.ExitStack, tmp: Path, upstream: str,
                    str(port), "--metrics-port", str(free_port()), "--init-key"]
             if workers:
                 cmd += ["--workers", workers[2]]
-            pid = stack.enter_context(process(cmd, base + "/ready", root))
+            pid = stack.enter_context(process([*under, *cmd], base + "/ready", root,
+                                              ready_timeout_s=ready_timeout_s))
         elif name in ("aiohttp-httpx", "aiohttp-aiohttp") or workers:
             client = name.split("-")[1]
             cmd = [py, __file__, "proxy", client, str(port), upstream,
                    workers[2] if workers else "1"]
-            pid = stack.enter_context(process(cmd, base + "/health"))
+            pid = stack.enter_context(process([*under, *cmd], base + "/health",
+                                              ready_timeout_s=ready_timeout_s))
         elif name == "litellm":
             cmd = [args.litellm_bin, "--model", f"hosted_vllm/{MODEL}", "--api_base",
                    upstream + "/v1", "--host", "127.0.0.1", "--port", str(port),
