@@ -22,12 +22,12 @@ tenant's cap (or the server's default cap), so leaving the field out never lifts
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from schemas.openai import AnyRequest, ChatRequest, Message
+from schemas.openai import AnyRequest, ChatRequest, CompletionRequest, Message
 from schemas.values import is_int
 
 UnknownFields = Literal["reject", "drop"]
@@ -158,48 +158,105 @@ def _harmless(name: str, body: AnyRequest) -> bool:
 
 
 def check_bounds(body: AnyRequest, rules: FieldRules, max_tokens: int) -> None:
-    """Counts, sizes and ranges of the sampling fields; `max_tokens` is the effective one."""
-    lim = rules.limits
-    if body.stream_options is not None and not body.stream:
+    """Counts, sizes and ranges of the sampling fields; `max_tokens` is the effective one.
+
+    Only the fields the client set are looked at: an unset field holds its default, which
+    every bound admits (tests/governor/test_trust_boundary.py proves it). Where several are
+    out of bounds, the one refused is the first in `_BOUNDS` order, whatever the body's."""
+    checks = _BOUNDS[type(body)]
+    names: Any = checks.keys() & body.model_fields_set
+    if len(names) > 1:
+        names = sorted(names, key=_ORDER[type(body)].__getitem__)
+    for name in names:
+        value = getattr(body, name)
+        if value is not None:
+            checks[name](value, body, rules.limits, max_tokens)
+
+
+Check = Callable[[Any, AnyRequest, RequestLimits, int], None]
+
+
+def _stream_options(value: Any, body: AnyRequest, lim: RequestLimits, max_tokens: int) -> None:
+    if not body.stream:
         raise FieldRefused("Stream options can only be defined when `stream=True`.",
                            "stream_options")
-    _range(body.temperature, "temperature", 0.0, 2.0)
-    _range(body.top_p, "top_p", 0.0, 1.0, low_open=True)
-    _range(body.min_p, "min_p", 0.0, 1.0)
-    _range(body.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    _range(body.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _range(body.repetition_penalty, "repetition_penalty", 0.0, 2.0, low_open=True)
-    _int_range(body.top_k, "top_k", -1, INT64_MAX)
-    _int_range(body.seed, "seed", -INT64_MAX - 1, INT64_MAX)
-    _int_range(body.max_tokens, "max_tokens", 1, INT64_MAX)
-    if isinstance(body, ChatRequest):  # typed branches: a missing attribute is slow
-        _int_range(body.max_completion_tokens, "max_completion_tokens", 1, INT64_MAX)
-    _int_range(body.min_tokens, "min_tokens", 0, max_tokens)
-    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+
+
+def _stop(value: Any, body: AnyRequest, lim: RequestLimits, max_tokens: int) -> None:
+    stops = [value] if isinstance(value, str) else value
     _count(stops, "stop", lim.max_stop)
     if any(not s or len(s) > lim.max_stop_chars for s in stops):
         raise FieldRefused(f"each 'stop' string must have 1 to {lim.max_stop_chars} "
                            "characters", "stop")
-    _count(body.stop_token_ids, "stop_token_ids", lim.max_stop_token_ids)
-    _count(body.logit_bias, "logit_bias", lim.max_logit_bias)
-    for token, bias in (body.logit_bias or {}).items():
+
+
+def _logit_bias(value: Any, body: AnyRequest, lim: RequestLimits, max_tokens: int) -> None:
+    _count(value, "logit_bias", lim.max_logit_bias)
+    for token, bias in value.items():
         if not token.isdigit() or not -100.0 <= bias <= 100.0:
             raise FieldRefused("'logit_bias' maps token ids to a bias in [-100, 100]",
                                "logit_bias")
-    _count(body.bad_words, "bad_words", lim.max_bad_words)
-    if any(len(w) > lim.max_bad_word_chars for w in body.bad_words or ()):
+
+
+def _bad_words(value: Any, body: AnyRequest, lim: RequestLimits, max_tokens: int) -> None:
+    _count(value, "bad_words", lim.max_bad_words)
+    if any(len(w) > lim.max_bad_word_chars for w in value):
         raise FieldRefused(f"each 'bad_words' entry is at most {lim.max_bad_word_chars} "
                            "characters", "bad_words")
-    _count(body.allowed_token_ids, "allowed_token_ids", lim.max_allowed_token_ids)
-    if body.user is not None and len(body.user) > lim.max_user_chars:
+
+
+def _user(value: Any, body: AnyRequest, lim: RequestLimits, max_tokens: int) -> None:
+    if len(value) > lim.max_user_chars:
         raise FieldRefused(f"'user' is at most {lim.max_user_chars} characters", "user")
+
+
+def _floats(name: str, lo: float, hi: float, low_open: bool = False) -> Check:
+    return lambda value, *_: _range(value, name, lo, hi, low_open)
+
+
+def _ints(name: str, lo: int, hi: int) -> Check:
+    return lambda value, *_: _int_range(value, name, lo, hi)
+
+
+_HEAD: Mapping[str, Check] = MappingProxyType({
+    "stream_options": _stream_options,
+    "temperature": _floats("temperature", 0.0, 2.0),
+    "top_p": _floats("top_p", 0.0, 1.0, low_open=True),
+    "min_p": _floats("min_p", 0.0, 1.0),
+    "frequency_penalty": _floats("frequency_penalty", -2.0, 2.0),
+    "presence_penalty": _floats("presence_penalty", -2.0, 2.0),
+    "repetition_penalty": _floats("repetition_penalty", 0.0, 2.0, low_open=True),
+    "top_k": _ints("top_k", -1, INT64_MAX),
+    "seed": _ints("seed", -INT64_MAX - 1, INT64_MAX),
+    "max_tokens": _ints("max_tokens", 1, INT64_MAX),
+})
+_TAIL: Mapping[str, Check] = MappingProxyType({
+    "min_tokens": lambda value, body, lim, max_tokens: _int_range(value, "min_tokens", 0,
+                                                                  max_tokens),
+    "stop": _stop,
+    "stop_token_ids": lambda value, body, lim, _: _count(value, "stop_token_ids",
+                                                         lim.max_stop_token_ids),
+    "logit_bias": _logit_bias,
+    "bad_words": _bad_words,
+    "allowed_token_ids": lambda value, body, lim, _: _count(value, "allowed_token_ids",
+                                                            lim.max_allowed_token_ids),
+    "user": _user,
     # One choice per request: per-choice accounting and cache probes assume it.
-    _int_range(body.n, "n", 1, 1)
-    if isinstance(body, ChatRequest):
-        _int_range(body.top_logprobs, "top_logprobs", 0, lim.max_logprobs)
-    else:
-        _int_range(body.best_of, "best_of", 1, 1)
-        _int_range(body.logprobs, "logprobs", 0, lim.max_logprobs)
+    "n": _ints("n", 1, 1),
+})
+# Per body type (a field of the other route's is unknown here, judged by fields_to_drop).
+_BOUNDS: Mapping[type, Mapping[str, Check]] = MappingProxyType({
+    ChatRequest: MappingProxyType({
+        **_HEAD, "max_completion_tokens": _ints("max_completion_tokens", 1, INT64_MAX),
+        **_TAIL, "top_logprobs": lambda value, body, lim, _: _int_range(
+            value, "top_logprobs", 0, lim.max_logprobs)}),
+    CompletionRequest: MappingProxyType({
+        **_HEAD, **_TAIL, "best_of": _ints("best_of", 1, 1),
+        "logprobs": lambda value, body, lim, _: _int_range(value, "logprobs", 0,
+                                                           lim.max_logprobs)}),
+})
+_ORDER = MappingProxyType({kind: MappingProxyType({name: i for i, name in enumerate(checks)})
+                           for kind, checks in _BOUNDS.items()})
 
 
 def check_messages(body: ChatRequest, rules: FieldRules) -> None:

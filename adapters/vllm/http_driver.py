@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -192,6 +193,11 @@ class VLLMDriver:
         self.probes = 0
         self._headers = ({"Authorization": f"Bearer {config.api_key}"} if config.api_key
                          else {})
+        # A whole answer's one deadline, on aiohttp's own timer: a timeout context around
+        # the exchange cost ~5% of a request's instructions at line rate. Not rounded up.
+        self._answer_timeout = aiohttp.ClientTimeout(
+            total=config.first_byte_timeout_s, sock_connect=config.connect_timeout_s,
+            ceil_threshold=math.inf)
 
     async def start(self) -> None:
         self._session = open_session(self.config, self._headers)
@@ -370,13 +376,15 @@ class VLLMDriver:
         headers = {"Content-Type": "application/json", "X-Request-Id": request.request_id}
         if dp_rank is not None:
             headers[RANK_HEADER] = str(dp_rank)
-        post = session.post(url, data=body, headers=headers, allow_redirects=False)
         limit = self.config.max_answer_bytes
         try:
             if not request.stream:  # one deadline for the whole exchange
-                yield await _answer(post, first_byte, limit)
+                yield await _answer(session.post(url, data=body, headers=headers,
+                                                 allow_redirects=False,
+                                                 timeout=self._answer_timeout), limit)
                 return
-            response = await _guarded(post, first_byte)
+            response = await _guarded(session.post(url, data=body, headers=headers,
+                                                   allow_redirects=False), first_byte)
         except EngineError as exc:
             self._note_lost(exc)
             raise
@@ -425,19 +433,20 @@ async def _body_end(response: aiohttp.ClientResponse, deadline: float) -> bool:
     return True
 
 
-async def _answer(post: Any, deadline: float, limit: int) -> StreamChunk:
-    """A non-streaming answer, whole by `deadline`, of at most `limit` bytes."""
-    status, raw = await _guarded(_whole(post, limit), deadline)
+async def _answer(post: Any, limit: int) -> StreamChunk:
+    """A non-streaming answer of at most `limit` bytes, whole by the deadline `post` carries.
+    The connection goes back to the pool, or is closed when the read was cut short (vLLM
+    then aborts the request)."""
+    try:
+        async with post as response:
+            status, raw = response.status, await _read_at_most(response, limit)
+    except Exception as exc:
+        if (mapped := _mapped(exc)) is exc:
+            raise
+        raise mapped from exc
     if status != 200:
         raise _status_error(status, raw)
     return _decoded(chunk_from_body, raw)
-
-
-async def _whole(post: Any, limit: int) -> tuple[int, bytes]:
-    """A non-streaming answer: status and body; the connection goes back to the pool, or is
-    closed when the read was cut short (vLLM then aborts the request)."""
-    async with post as response:
-        return response.status, await _read_at_most(response, limit)
 
 
 async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:

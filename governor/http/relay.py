@@ -63,14 +63,14 @@ class Relay:
         self.outcome = outcome
         m = self.meters
         m.admission_wait.observe(self.admission_wait_s)
-        m.requests(self.route, outcome).inc()
+        m.count_request(self.route, outcome)
         m.e2e.observe(time.monotonic() - self.started)
         if self.first_token_at is not None:
             m.ttft.observe(self.first_token_at - self.started)
         if self.usage is not None:
-            m.prompt_tokens.inc(self.usage.prompt_tokens)
-            m.completion_tokens.inc(self.usage.completion_tokens)
-            m.cached_tokens.inc(self.usage.cached_tokens or 0)
+            m.prompt_tokens += self.usage.prompt_tokens
+            m.completion_tokens += self.usage.completion_tokens
+            m.cached_tokens += self.usage.cached_tokens or 0
 
 
 def sse_event(data: dict[str, Any]) -> bytes:

@@ -229,6 +229,40 @@ async def test_first_byte_timeout_is_a_504() -> None:
 
 
 @pytest.mark.slow
+async def test_a_whole_answer_whose_body_is_late_is_a_504() -> None:
+    """The head and half the body come at once, the rest after the deadline: the deadline
+    covers the body's reads too."""
+    answer = b'{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json",
+                                               "Content-Length": str(len(answer))})
+        await response.prepare(request)
+        await response.write(answer[:10])
+        await asyncio.sleep(2.0)
+        await response.write(answer[10:])
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", trickle)
+    runner, base_url = await serve_app(app)
+    driver = VLLMDriver(VLLMHTTPConfig(base_url=base_url, first_byte_timeout_s=0.4,
+                                       total_timeout_s=5.0), capabilities=CAPS)
+    await driver.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineError) as err:
+            await collect(driver, req({"model": "smollm2", "prompt": "x"}))
+        took = time.monotonic() - started
+    finally:
+        await driver.close()
+        await runner.cleanup()
+    assert (err.value.status, err.value.message) == (
+        504, "engine timed out: no answer within the configured timeout")
+    assert 0.3 < took < 1.5, took
+
+
+@pytest.mark.slow
 async def test_a_stream_whose_first_event_is_late_is_a_504() -> None:
     """The head came at once; no event by the first-byte deadline."""
     state = Imitation(first_event_delay_s=2.0)

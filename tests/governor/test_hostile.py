@@ -449,6 +449,22 @@ def test_slow_heads_idle_connections_and_peer_cap(hostile: Hostile) -> None:
     assert_healthy(hostile)
 
 
+def test_a_later_slow_head_is_timed_from_its_own_first_byte(hostile: Hostile) -> None:
+    """The head clock a connection started with is due 1 s after it opened; a second head
+    begun 0.7 s in still gets its whole second."""
+    split = urlsplit(hostile.url)
+    with socket.create_connection((split.hostname, split.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200 OK" in s.recv(4096)
+        time.sleep(0.7)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        assert s.recv(100) == b"", "a slow head kept its connection"
+        waited = time.monotonic() - started
+    assert SERVER["header_timeout_s"] - 0.1 < waited < SERVER["header_timeout_s"] + 1.0
+    assert_healthy(hostile)
+
+
 # -- 7. no unhandled exception ------------------------------------------------------------------
 
 

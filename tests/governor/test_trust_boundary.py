@@ -8,6 +8,7 @@ over the native engine with a tiny random-weight model: these are mechanics)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,9 +25,17 @@ from governor.pipeline import PipelineInputs, prepare
 from governor.serve import build_governor
 from native_engine.config import EngineConfig
 from native_engine.engine import LLMEngine
-from policies.request_fields import FEATURE_GROUPS, GOVERNOR_FIELDS, ROUTE_FIELDS, FieldRules
+from policies.request_fields import (
+    FEATURE_GROUPS,
+    GOVERNOR_FIELDS,
+    ROUTE_FIELDS,
+    FieldRefused,
+    FieldRules,
+    check_bounds,
+    effective_max_tokens,
+)
 from schemas.engine import EngineCapabilities
-from schemas.openai import Route
+from schemas.openai import ChatRequest, CompletionRequest, Route, parse_request
 from tests.http_client import HTTP
 from tests.native_engine.tiny_model import random_model
 
@@ -123,6 +132,77 @@ def test_a_group_field_passes_only_with_its_group(name: str, allow: set[str]) ->
     assert group in allow and body[name] == {"x": 1}
     assert not (set(body) - ROUTE_FIELDS["chat"] - GOVERNOR_FIELDS
                 - {n for g in allow for n in FEATURE_GROUPS[g]})
+
+
+# Each bounded field's values: in bounds and out (for RequestLimits' defaults).
+BOUNDED_VALUES: dict[str, list[Any]] = {
+    "temperature": [0.0, 2.0, 2.5, -1.0], "top_p": [0.5, 1.0, 0.0, 1.5],
+    "min_p": [0.0, 1.5], "frequency_penalty": [-2.0, -3.0], "presence_penalty": [2.0, 2.1],
+    "repetition_penalty": [1.0, 0.0], "top_k": [-1, 50, -2], "seed": [0, 1 << 63],
+    "max_tokens": [1, 0], "max_completion_tokens": [5, 0], "min_tokens": [0, 5000],
+    "stop": ["x", ["a", "b"], "", ["a"] * 17, "s" * 257], "stop_token_ids": [[1], [0] * 65],
+    "logit_bias": [{"1": 0.5}, {"x": 1.0}, {"1": 101.0}], "bad_words": [["w"], ["w" * 257]],
+    "allowed_token_ids": [[1], [1] * 4097], "user": ["u", "u" * 257], "n": [1, 2],
+    "stream": [True, False], "stream_options": [{"include_usage": True}],
+    "top_logprobs": [0, 21], "best_of": [1, 2], "logprobs": [0, 21],
+}
+NOT_ON = {"chat": {"best_of", "logprobs"}, "completions": {"max_completion_tokens",
+                                                           "top_logprobs"}}
+BASE: dict[Route, dict[str, Any]] = {"chat": CHAT, "completions": {"prompt": "x"}}
+
+
+def bounds_verdict(route: Route, body: dict[str, Any]) -> tuple[str, str] | None:
+    parsed = parse_request(route, body)
+    try:
+        check_bounds(parsed, FieldRules(), effective_max_tokens(parsed.requested_max_tokens,
+                                                                CAP))
+    except FieldRefused as exc:
+        return exc.param, exc.message
+    return None
+
+
+OUT_OF_BOUNDS: list[tuple[Route, str, Any]] = [
+    ("chat", "temperature", 2.5), ("chat", "top_p", 0.0), ("chat", "min_p", 1.5),
+    ("chat", "frequency_penalty", -3.0), ("chat", "presence_penalty", 2.1),
+    ("chat", "repetition_penalty", 0.0), ("chat", "top_k", -2), ("chat", "seed", 1 << 63),
+    ("chat", "max_tokens", 0), ("chat", "max_completion_tokens", 0),
+    ("chat", "min_tokens", CAP + 1), ("chat", "stop", ""), ("chat", "stop", ["a"] * 17),
+    ("chat", "stop_token_ids", [0] * 65), ("chat", "logit_bias", {"x": 1.0}),
+    ("chat", "logit_bias", {"1": 101.0}), ("chat", "bad_words", ["w" * 257]),
+    ("chat", "allowed_token_ids", [1] * 4097), ("chat", "user", "u" * 257), ("chat", "n", 2),
+    ("chat", "stream_options", {"include_usage": True}), ("chat", "top_logprobs", 21),
+    ("completions", "best_of", 2), ("completions", "logprobs", 21),
+    ("completions", "n", 0), ("completions", "temperature", -1.0),
+]
+
+
+@pytest.mark.parametrize(("route", "name", "value"), OUT_OF_BOUNDS)
+def test_each_bound_refuses_naming_its_field(route: Route, name: str, value: Any) -> None:
+    verdict = bounds_verdict(route, {**BASE[route], name: value})
+    assert verdict is not None and verdict[0] == name
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["chat", "completions"]), st.data())
+def test_a_field_left_unset_never_changes_the_bounds_verdict(route: Route,
+                                                             data: st.DataObject) -> None:
+    """check_bounds looks only at the fields a client set: every other one set to its
+    default, explicitly, must give the same verdict."""
+    names = sorted(set(BOUNDED_VALUES) - NOT_ON[route])
+    chosen = data.draw(st.lists(st.sampled_from(names), unique=True, max_size=4))
+    body = {**BASE[route], **{n: data.draw(st.sampled_from(BOUNDED_VALUES[n]))
+                              for n in chosen}}
+    kind = ChatRequest if route == "chat" else CompletionRequest
+    defaults = {name: info.default for name, info in kind.model_fields.items()
+                if name not in body}
+    assert bounds_verdict(route, body) == bounds_verdict(route, {**body, **defaults})
+
+
+def test_the_field_refused_does_not_depend_on_the_bodys_order() -> None:
+    bad = [("n", 2), ("user", "u" * 300), ("temperature", 9.0), ("stop", "")]
+    for order in itertools.permutations(bad):
+        assert bounds_verdict("chat", {**CHAT, **dict(order)}) == (
+            "temperature", "'temperature' must be a number in [0, 2]")
 
 
 @pytest.fixture(scope="module")

@@ -167,6 +167,6 @@ def test_a_whole_answer_is_out_before_it_is_accounted(tmp_path: Path,
         assert response.status_code == 200 and response.json()["choices"]
         assert took < 1.5, f"the answer waited {took:.2f} s for the accounting"
         assert settled(gov)
-        ok = [s.value for s in gov.metrics.requests.collect()[0].samples
+        ok = [s.value for s in next(gov.metrics.served.collect()).samples
               if s.name.endswith("_total") and s.labels["outcome"] == "ok"]
         assert sum(ok) == 2
