@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from schemas.values import is_int
+from schemas.values import all_ints, is_int
 
 U64_MASK = (1 << 64) - 1
 END_SEQ = b"\xff" * 8
@@ -69,7 +69,7 @@ def _optional(value: Any, check: Callable[[Any], bool], what: str) -> Any:
 
 
 def _int_list(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(is_int(v) for v in value):
+    if not isinstance(value, list) or not all_ints(value):
         raise KVDecodeError(f"{what} is not a list of integers")
     return tuple(value)
 
