@@ -8,7 +8,8 @@ Arms, interleaved (the order rotates every rep), medians over reps:
   direct            wrk → upstream
   fak               wrk → fak serve → upstream
   aiohttp-httpx     wrk → a bare aiohttp server with an httpx client → upstream
-  aiohttp-aiohttp   wrk → a bare aiohttp server with an aiohttp client → upstream
+  aiohttp-aiohttp   wrk → a bare aiohttp server with an aiohttp client → upstream (a
+                    stream's bytes relayed as they are read)
   litellm           wrk → LiteLLM's proxy → upstream (only with --litellm-bin)
   fak-wN            wrk → fak serve --workers N → upstream (postgres state: $FAK_STATE_DSN)
   aiohttp-aiohttp-wN  the bare aiohttp proxy in N processes on one port (SO_REUSEPORT)
@@ -211,7 +212,8 @@ def wrk(arm: Arm, script: Path, concurrency: int, duration_s: float,
 
 
 def serve_bare_proxy(client: str, port: int, upstream: str, processes: int = 1) -> None:
-    """A ten-line aiohttp proxy: the body forwarded, the answer's bytes returned; with
+    """A ten-line aiohttp proxy: the body forwarded, the answer's bytes returned (an SSE
+    answer's as they are read, over aiohttp's client; httpx's reads it whole); with
     `processes` > 1, that many on the port (SO_REUSEPORT), as `fak serve --workers`."""
     import multiprocessing
 
@@ -224,15 +226,23 @@ def serve_bare_proxy(client: str, port: int, upstream: str, processes: int = 1) 
 
     target = upstream + "/v1/completions"
     headers = {"Content-Type": "application/json"}
+    sse_headers = {"Content-Type": "text/event-stream"}
 
     async def with_aiohttp(app: web.Application) -> AsyncIterator[None]:
         session = ClientSession(connector=TCPConnector(limit=512))
 
-        async def handle(request: web.Request) -> web.Response:
+        async def handle(request: web.Request) -> web.StreamResponse:
             body = await request.read()
             async with session.post(target, data=body, headers=headers) as r:
-                return web.Response(body=await r.read(), status=r.status,
-                                    content_type="application/json")
+                if r.headers.get("Content-Type", "")[:17] != "text/event-stream":
+                    return web.Response(body=await r.read(), status=r.status,
+                                        content_type="application/json")
+                out = web.StreamResponse(status=r.status, headers=sse_headers)
+                await out.prepare(request)
+                async for data in r.content.iter_any():
+                    await out.write(data)
+                await out.write_eof()
+                return out
 
         app.router.add_post("/v1/completions", handle)
         yield

@@ -1,0 +1,72 @@
+"""bench/line_rate.py's bare aiohttp proxy, the floor fak is measured against: a whole
+answer's bytes as the upstream sent them, and a stream's events as they arrive (not once
+the stream has ended)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+INTERVAL_S = 0.25
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(args: list[str], ready_url: str) -> Iterator[None]:
+    proc = subprocess.Popen([sys.executable, *args], cwd=BENCH.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, args
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(ready_url, timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_the_bare_proxy_relays_answers_whole_and_streams_as_they_come() -> None:
+    up, proxy = free_port(), free_port()
+    upstream = f"http://127.0.0.1:{up}"
+    with serving([str(BENCH / "instant_upstream.py"), "--port", str(up), "--interval-ms",
+                  str(int(INTERVAL_S * 1000))], upstream + "/health"), \
+            serving([str(BENCH / "line_rate.py"), "proxy", "aiohttp", str(proxy), upstream],
+                    f"http://127.0.0.1:{proxy}/health"):
+        url = f"http://127.0.0.1:{proxy}/v1/completions"
+        body = {"model": "m", "prompt": "hi", "max_tokens": 3}
+        direct = httpx.post(upstream + "/v1/completions", json=body, timeout=10)
+        relayed = httpx.post(url, json=body, timeout=10)
+        assert relayed.status_code == 200 and relayed.headers["Content-Type"].startswith(
+            "application/json")
+        assert relayed.json()["choices"] == direct.json()["choices"]
+
+        arrivals: list[tuple[float, bytes]] = []
+        start = time.monotonic()
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((time.monotonic() - start, line.encode()))
+    assert [line for _, line in arrivals][-1] == b"data: [DONE]"
+    assert len(arrivals) == 4
+    # The first event left the upstream ~3 intervals before its last: relayed at once.
+    assert arrivals[0][0] < arrivals[-1][0] - 1.5 * INTERVAL_S, arrivals
