@@ -14,7 +14,7 @@ def is_int(value: Any) -> TypeGuard[int]:
 
 
 def all_ints(values: Iterable[Any]) -> bool:
-    """Every value an int and none a bool, checked in C (~10× the loop over `is_int` on the
-    hundreds of token ids a KV-event message carries). An int subclass other than bool is
+    """Every value an int and none a bool, checked in C (4.4× the loop over `is_int` on the
+    390 token ids of a recorded KV-event message, `timeit`). An int subclass other than bool is
     refused too; the decoders this project reads with (json, msgpack) never make one."""
     return set(map(type, values)) <= _INT_ONLY
