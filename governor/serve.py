@@ -150,10 +150,11 @@ async def start_driver(driver: EngineDriver) -> None:
         raise StartupRefused(f"upstream refused: {exc}") from None
 
 
-# The young generation's size, in allocations (CPython's default is 700). Every young
-# collection also walks the requests in flight, which survive it: at 64 in flight that walk
-# was ~3% of a request's instructions at the default; at 7,000 it is ~0.5%, and the line-rate
-# bench gained 7% req/s at 16 and 64 (docs/benchmarks.md). 50,000 saved no more.
+# The young generation's size, in net allocations of tracked objects (CPython's default is
+# 700). A request leaves no reference cycles (tests/governor/test_reference_cycles.py), so
+# what fills the young generation is the requests in flight, and each collection walks
+# them: at 64 in flight, 700 meant 1,056 young collections in 5 s of line rate (with the
+# middle ones 5.5% of the CPU, pauses to 1.5 ms); 7,000 meant one (issue 19).
 YOUNG_COLLECTION_ALLOCATIONS = 7000
 
 

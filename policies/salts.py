@@ -220,38 +220,49 @@ def _scan(body: Mapping[str, Any], max_hits: int, copy: bool
           ) -> tuple[dict[str, Any], tuple[ClientSaltField, ...]]:
     if not isinstance(body, Mapping):
         raise TypeError("request body must be a JSON object")
-    hits: list[ClientSaltField] = []
-
-    def hit(link: _Link) -> None:
-        hits.append(ClientSaltField(_path(link)))
-        if len(hits) > max_hits:
-            raise TooManyClientSalts(f"the body carries more than {max_hits} cache salt "
-                                     "fields")
-
-    def walk(value: Any, link: _Link) -> Any:
-        if isinstance(value, Mapping):
-            out = {}
-            for key, child in value.items():
-                if isinstance(key, str) and key.lower() in CLIENT_SALT_KEYS:
-                    hit((link, key))
-                else:
-                    kept = walk(child, (link, key))
-                    if copy:
-                        out[key] = kept
-            return out if copy else value
-        if isinstance(value, list):
-            kept_items = [walk(child, (link, i)) for i, child in enumerate(value)]
-            return kept_items if copy else value
-        return value
-
+    scan = _SaltScan(max_hits, copy)
     stripped: dict[str, Any] = {}
     for key, value in body.items():
         name = str(key).lower()
         if name in CLIENT_SALT_KEYS:
-            hit((None, key))
+            scan.hit((None, key))
             continue
-        stripped[key] = walk(value, (None, key)) if name in CLIENT_SALT_CONTAINERS else value
-    return stripped, tuple(sorted(hits, key=lambda f: f.dotted))
+        stripped[key] = scan.walk(value, (None, key)) if name in CLIENT_SALT_CONTAINERS \
+            else value
+    return stripped, tuple(sorted(scan.hits, key=lambda f: f.dotted))
+
+
+class _SaltScan:
+    """One scan's hits. A class, not nested functions: a recursive closure is a reference
+    cycle, garbage only the collector frees, and one per request made most of the
+    governor's young collections (issue 19)."""
+
+    def __init__(self, max_hits: int, copy: bool) -> None:
+        self.hits: list[ClientSaltField] = []
+        self.max_hits = max_hits
+        self.copy = copy
+
+    def hit(self, link: _Link) -> None:
+        self.hits.append(ClientSaltField(_path(link)))
+        if len(self.hits) > self.max_hits:
+            raise TooManyClientSalts(f"the body carries more than {self.max_hits} cache "
+                                     "salt fields")
+
+    def walk(self, value: Any, link: _Link) -> Any:
+        if isinstance(value, Mapping):
+            out = {}
+            for key, child in value.items():
+                if isinstance(key, str) and key.lower() in CLIENT_SALT_KEYS:
+                    self.hit((link, key))
+                else:
+                    kept = self.walk(child, (link, key))
+                    if self.copy:
+                        out[key] = kept
+            return out if self.copy else value
+        if isinstance(value, list):
+            kept_items = [self.walk(child, (link, i)) for i, child in enumerate(value)]
+            return kept_items if self.copy else value
+        return value
 
 
 def find_client_salt_headers(header_names: Iterable[str]) -> tuple[str, ...]:
