@@ -455,7 +455,7 @@ async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
     if (response.content_length or 0) > limit:
         raise unavailable(f"the answer is larger than {limit} bytes")
     body = bytearray()
-    async for data in response.content.iter_any():
+    while data := await response.content.readany():  # no iterator ending in an exception
         body += data
         if len(body) > limit:
             raise unavailable(f"the answer is larger than {limit} bytes")
