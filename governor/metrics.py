@@ -9,7 +9,14 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -210,6 +217,10 @@ class GovernorMetrics:
         r.register(self.serving)
         if fleet is not None:
             r.register(FleetCollector(fleet))
+        # This process's CPU, memory and collector, read at scrape time: what a governor at
+        # line rate spends, and its collections, each a pause of every request (issue 19).
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
 
     def for_tenant(self, tenant: str, tenant_class: str) -> TenantMeters:
         """The tenant's series (configured tenants only reach here: the memo is bounded)."""

@@ -3,6 +3,8 @@ prometheus_client's own Counter and Histogram: the same exposition for the same 
 
 from __future__ import annotations
 
+import gc
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -77,3 +79,14 @@ def test_every_family_is_listed_before_the_first_request_and_classes_share_a_wai
     assert 'fak_admission_wait_seconds_count{tenant_class="premium"} 2.0' in rendered
     assert 'fak_admission_wait_seconds_bucket{le="0.005",tenant_class="premium"} 1.0' in rendered
     assert 'fak_cached_tokens_created{tenant="b"}' in rendered
+
+
+def test_the_process_and_its_collector_are_exposed() -> None:
+    metrics = GovernorMetrics()
+    before = {(s[0], s[1]): s[2] for s in samples(metrics.render())}
+    gc.collect()
+    after = {(s[0], s[1]): s[2] for s in samples(metrics.render())}
+    full = ("python_gc_collections_total", (("generation", "2"),))
+    assert after[full] == before[full] + 1
+    assert after[("process_cpu_seconds_total", ())] > 0
+    assert after[("process_resident_memory_bytes", ())] > 0
