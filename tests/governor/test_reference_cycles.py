@@ -3,8 +3,9 @@
 Garbage in a cycle is freed only by the collector: one small cycle per request (a recursive
 closure in the salt scan) made most of the governor's young collections at line rate, each
 a pause that walks every request in flight. What a request allocates on the way through
-the checks, the forwarded body and the answer's decoding must be freed by reference
-counting alone: with the collector off, a full collection afterwards finds nothing.
+the checks, the forwarded body, the answer's decoding and the engine's KV events must be
+freed by reference counting alone: with the collector off, a full collection afterwards
+finds nothing.
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ from __future__ import annotations
 import gc
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from adapters.vllm.http_driver import forwarded_bytes
+from adapters.vllm.kv_decode import decode_message
 from adapters.vllm.sse import SSEFramer, chunk_from_body, chunk_from_event_data
 from governor.pipeline import PipelineInputs, prepare
 from policies.request_fields import FieldRules
 from policies.salts import find_client_salts, strip_client_salts
 from schemas.engine import EngineCapabilities
 from schemas.openai import Route, load_json
+from tests.adapters.vllm_vectors import RUNS, kv_recording
 
 CAPS = EngineCapabilities(engine_kind="vllm", model_id="smollm2", cache_salt=True)
 BODIES: list[tuple[Route, dict[str, Any]]] = [
@@ -90,5 +94,16 @@ def test_the_answer_and_stream_decoding(collector_off: None) -> None:
         framer = SSEFramer()
         for sse in framer.feed(event[:40]) + framer.feed(event[40:]) + framer.close():
             chunk_from_event_data(sse.data)
+
+    assert cycles_left_by(decode) == 0
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)
+def test_kv_event_decoding(collector_off: None, run: Path) -> None:
+    messages = kv_recording(run)["pub_frames"]
+
+    def decode() -> None:
+        for frames in messages:
+            decode_message(frames)
 
     assert cycles_left_by(decode) == 0
