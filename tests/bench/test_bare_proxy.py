@@ -4,44 +4,18 @@ the stream has ended)."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.governor.server_thread import free_port
+from tests.processes import serving
+
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 INTERVAL_S = 0.25
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(args: list[str], ready_url: str) -> Iterator[None]:
-    proc = subprocess.Popen([sys.executable, *args], cwd=BENCH.parent,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, args
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(ready_url, timeout=2).status_code == 200:
-                    break
-            time.sleep(0.1)
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_the_bare_proxy_relays_answers_whole_and_streams_as_they_come() -> None:

@@ -10,11 +10,6 @@ closure, before) 3,000 requests left ~30,000 objects for the collector.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http_client import HTTP
+from tests.processes import serving
 
 from .fak_serve_process import REPO_ROOT, FakServe, start_fak_serve, stop_fak_serve, write_config
+from .server_thread import free_port
 
 pytestmark = pytest.mark.slow
 KEY = "sk-garbage-" + "0" * 16
@@ -32,27 +29,12 @@ REQUESTS, STREAMS, CONCURRENCY = 3000, 300, 16
 GARBAGE_ALLOWED = 2000  # start-up stragglers and the engine-metrics refresher's own
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def governed(tmp_path: Path) -> Iterator[FakServe]:
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "bench" / "instant_upstream.py"),
-                             "--port", str(port), "--chunks", "8"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            with contextlib.suppress(Exception):
-                if HTTP.get(upstream + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.1)
+    with serving([str(REPO_ROOT / "bench" / "instant_upstream.py"), "--port", str(port),
+                  "--chunks", "8"], upstream + "/health"):
         config = tmp_path / "fak.toml"
         write_config(config, {"max_engine_concurrency": 256},
                      {"kind": "vllm", "base_url": upstream, "model": "smollm2"},
@@ -65,9 +47,6 @@ def governed(tmp_path: Path) -> Iterator[FakServe]:
             yield served
         finally:
             stop_fak_serve(served)
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def collected(served: FakServe) -> float:
