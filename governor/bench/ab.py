@@ -87,6 +87,21 @@ def _sequential_guard(decision: ABDecision, order: str) -> ABDecision:
                       decision.warm_gate)
 
 
+def _settle_guard(decision: ABDecision, run: LevelRun, arms: Sequence[str],
+                  max_busy: float) -> ABDecision:
+    """Refuse a pair when one of its blocks started on a machine that never went quiet."""
+    loud = [b for b in run.blocks if b.arm in arms and b.settle.settled is False]
+    if not loud:
+        return decision
+    worst = max(b.settle.busy or 0.0 for b in loud)
+    return ABDecision(False, VERDICT_NOT_COMPARABLE,
+                      (*decision.reasons, f"{len(loud)} block(s) started while the machine was "
+                       f"still busy (up to {worst:.0%} of its CPUs, above {max_busy:.0%}, "
+                       f"after {max(b.settle.waited_s for b in loud):.1f} s): another "
+                       "process shared it"),
+                      decision.warm_gate)
+
+
 async def open_arms(specs: Sequence[ArmSpec], config: ABConfig, keys: list[str], gov: Any,
                      front_tokens: int) -> list[ArmHandle]:
     """Sessions and identities; a governor arm reports the engine its config forwards to
@@ -162,11 +177,14 @@ def analyse_level(run: LevelRun, handles: Sequence[ArmHandle], config: ABConfig,
     for other in handles[1:]:
         pair = analysis.compare_pair(run, base, other, states, results, metric, rng,
                                      config.bootstrap_resamples, gate, config.ratios)
-        pairs.append(replace(pair, decision=_sequential_guard(pair.decision, config.order)))
+        decision = _sequential_guard(pair.decision, config.order)
+        decision = _settle_guard(decision, run, (base.name, other.name), config.settle_max_busy)
+        pairs.append(replace(pair, decision=decision))
     classes = {n: classify_arm(ArmWarmState(n, s)).classification.value
                for n, s in states.items()}
-    return (report.LevelReport(run.level.label, results, classes, pairs, metric), states,
-            sources)
+    return (report.LevelReport(run.level.label, results, classes, pairs, metric,
+                               report.settle_line(run.blocks, config.settle_max_busy)),
+            states, sources)
 
 
 async def run_ab(config: ABConfig) -> Outcome:
@@ -235,7 +253,8 @@ async def measure(config: ABConfig, phases: Sequence[Phase], handles: list[ArmHa
                                           max(1, len(keys)))
             run = await run_level(handles, generator, phase.level, model, phase.requests,
                                   phase.warmups, config.blocks, config.burstiness, rng,
-                                  config.order, update)
+                                  config.order, update,
+                                  (config.settle_max_busy, config.settle_timeout_s))
             runs.append(run)
             lrep, states, sources = analyse_level(run, handles, config, rng, gate,
                                                   phase.metric or config.metric)

@@ -30,6 +30,7 @@ from governor.bench.config import (
     parse_goodput,
     with_arm_details,
 )
+from governor.bench.quiet import WINDOW_S
 
 AB_DEFAULTS = {f.name: f.default for f in fields(ABConfig)}
 WORKLOAD_DEFAULTS = {f.name: f.default for f in fields(WorkloadConfig)}
@@ -94,6 +95,12 @@ def _add_ab(sub: argparse._SubParsersAction) -> None:
                    "not_applicable) when the arm cannot tell it")
     p.add_argument("--request-timeout", type=float, dest="request_timeout_s")
     p.add_argument("--max-cv", type=float, help="refuse above this per-block CV (0.10)")
+    p.add_argument("--settle-max-busy", type=float,
+                   help="start a block once all CPUs together are at most this busy over "
+                   f"{WINDOW_S:g} s (default {AB_DEFAULTS['settle_max_busy']})")
+    p.add_argument("--settle-timeout", type=float, dest="settle_timeout_s",
+                   help="wait at most this long for it, else refuse the level's pairs "
+                   f"(default {AB_DEFAULTS['settle_timeout_s']:g} s; 0: no wait)")
     p.add_argument("--run-id", help="replay an earlier run's prompts (its plan.json run_id)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -112,7 +119,8 @@ WORKLOAD_FLAGS = ("input_len", "output_len", "prefix_len", "num_prefixes", "turn
 AB_FLAGS = ("concurrency", "request_rate", "burstiness", "blocks", "requests_per_block",
             "requests_factor", "min_requests",
             "warmup_requests", "seed", "order", "metric", "model", "api_key_env",
-            "governor_arm", "request_timeout_s", "max_cv", "run_id")
+            "governor_arm", "request_timeout_s", "max_cv", "settle_max_busy",
+            "settle_timeout_s", "run_id")
 
 
 def ab_config(args: argparse.Namespace) -> ABConfig:

@@ -128,6 +128,8 @@ class ABConfig:
     governor_compile_cache: str | None = None  # stated, when its engine is not an arm
     request_timeout_s: float = 1800.0
     max_cv: float = 0.10
+    settle_max_busy: float = 0.2  # a block starts once all CPUs together are this idle…
+    settle_timeout_s: float = 15.0  # …or this long has passed (then its pair is refused)
     bootstrap_resamples: int = 2000
     ratios: tuple[str, ...] = METRICS  # the B/A figures bootstrapped per pair
     run_id: str | None = None
@@ -163,6 +165,9 @@ class ABConfig:
                "goodput SLOs are ttft:MS, tpot:MS, e2el:MS with MS > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _check(0 < self.max_cv < 1, "max_cv must be within (0, 1)")
+        _check(0 < self.settle_max_busy <= 1, "settle_max_busy must be within (0, 1]")
+        _check(math.isfinite(self.settle_timeout_s) and self.settle_timeout_s >= 0,
+               "settle_timeout_s must be ≥ 0 (0: no wait)")
         _check(self.bootstrap_resamples >= 100, "bootstrap_resamples must be ≥ 100")
         _check(bool(re.fullmatch(r"[A-Z_][A-Z0-9_]*", self.api_key_env)),
                "api_key_env must name an environment variable")

@@ -51,7 +51,9 @@ def overhead_ab_config(config: OverheadConfig) -> ABConfig:
                     concurrency=config.concurrency, blocks=config.rounds, seed=config.seed,
                     metric="e2el.p50", model=config.model, tokenizer=config.tokenizer,
                     api_key_env=config.api_key_env, through_governor=config.config,
-                    governor_arm=GOVERNOR, max_cv=config.max_cv, progress=config.progress)
+                    governor_arm=GOVERNOR, max_cv=config.max_cv,
+                    settle_max_busy=config.settle_max_busy,
+                    settle_timeout_s=config.settle_timeout_s, progress=config.progress)
 
 
 def _workload(config: OverheadConfig, output_len: int) -> WorkloadConfig:

@@ -35,6 +35,11 @@ def add_overhead_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-compile-cache",
                    choices=("warm", "cold", "disabled", "not_applicable"))
     p.add_argument("--max-cv", type=float)
+    p.add_argument("--settle-max-busy", type=float,
+                   help=f"start a block once the machine is this idle (default "
+                   f"{d['settle_max_busy']})")
+    p.add_argument("--settle-timeout", type=float, dest="settle_timeout_s",
+                   help=f"longest wait for it (default {d['settle_timeout_s']:g} s; 0: none)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -43,7 +48,8 @@ def cmd_overhead(args: argparse.Namespace) -> int:
 
     given = {k: getattr(args, k) for k in ("rounds", "per_round", "warmup", "input_len",
                                            "max_tokens", "seed", "model", "api_key_env",
-                                           "engine_compile_cache", "max_cv")
+                                           "engine_compile_cache", "max_cv",
+                                           "settle_max_busy", "settle_timeout_s")
              if getattr(args, k) is not None}
     for key in ("out", "tokenizer", "engine_log"):
         if getattr(args, key):

@@ -30,6 +30,8 @@ class OverheadConfig:
     engine_log: Path | None = None
     engine_compile_cache: str | None = None
     max_cv: float = 0.10
+    settle_max_busy: float = 0.2  # as `fak bench ab`'s: the machine quiet before each block
+    settle_timeout_s: float = 15.0
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from governor.bench.analysis import HIGHER_IS_BETTER, ArmResult, PairResult
+from governor.bench.runner import BlockRun
 from policies.ab_stats import Summary
 
 DEFINITIONS = """\
@@ -27,6 +28,20 @@ class LevelReport:
     classes: dict[str, str]
     pairs: list[PairResult]
     metric: str
+    settle: str = ""
+
+
+def settle_line(blocks: Sequence[BlockRun], max_busy: float) -> str:
+    """How the machine was before the level's blocks: the waits for quiet and their end."""
+    checked = [b.settle for b in blocks if b.settle.settled is not None]
+    if not checked:
+        return "Blocks started without waiting for a quiet machine (wait off or no /proc/stat)."
+    loud = sum(not s.settled for s in checked)
+    waits = sorted(s.waited_s for s in checked)
+    return (f"Before each block the runner waited for the machine to be at most "
+            f"{max_busy:.0%} busy: {len(checked) - loud} of {len(checked)} blocks started so "
+            f"(wait median {waits[len(waits) // 2]:.2f} s, longest {waits[-1]:.2f} s; busiest "
+            f"start {max(s.busy or 0.0 for s in checked):.0%}).")
 
 
 def _ms(s: Summary | None, attr: str) -> str:
@@ -96,6 +111,7 @@ def render(title: str, plan: dict[str, Any], plan_sha256: str, levels: Sequence[
                    f"{arm['compile_source']}")
     for level in levels:
         out += ["", f"## Level {level.label}", "", *_arm_table(level)]
+        out += ["", level.settle] if level.settle else []
         for pair in level.pairs:
             d = pair.decision
             out += ["", f"### {pair.name}: {d.verdict}", ""]

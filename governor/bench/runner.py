@@ -2,10 +2,12 @@
 
 Per level: every arm is warmed up with prompts of the workload's shape that the
 measurement never uses (checked: all must succeed), then the measured blocks run one at a
-time, never two arms at once. `interleaved` (the default) runs round after round, each
-round one block of every arm in a freshly shuffled order, so a slow change of the machine
-lands on every arm alike; `sequential` (all of A, then all of B) exists to show what
-interleaving protects against and is never claimable on its own.
+time, never two arms at once, each after the machine has gone quiet (`quiet.wait_quiet`:
+an engine's tail of busy CPU would otherwise land on the next arm). `interleaved` (the
+default) runs round after round, each round one block of every arm in a freshly shuffled
+order, so a slow change of the machine lands on every arm alike; `sequential` (all of A,
+then all of B) exists to show what interleaving protects against and is never claimable
+on its own.
 
 Every request, warm-up included, is checked against `PromptHistory.bound`: cached tokens
 the run cannot explain mean the prefix cache was not cold (observed, never assumed).
@@ -25,6 +27,7 @@ import aiohttp
 from governor.bench.client import RequestResult, complete_once, stream_completion
 from governor.bench.config import Level
 from governor.bench.probe import ArmIdentity, LogWatch
+from governor.bench.quiet import NOT_CHECKED, Settle, wait_quiet
 from governor.bench.workloads import PlannedBlock, PlannedRequest, WorkloadGenerator
 from policies.ab_gate import PromptHistory
 
@@ -54,7 +57,8 @@ class ArmHandle:
 @dataclass
 class BlockRun:
     """One arm's block: `position` is its place in the level's schedule; `results` follow
-    `planned.requests`; `duration` runs from the first dispatch to the last answer."""
+    `planned.requests`; `duration` runs from the first dispatch to the last answer;
+    `settle` is what the wait for a quiet machine before it found."""
 
     arm: str
     level: Level
@@ -66,6 +70,7 @@ class BlockRun:
     started_at: float
     cached_beyond_bound: int = 0
     unreported_cache: int = 0
+    settle: Settle = NOT_CHECKED
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -196,7 +201,10 @@ class LevelRun:
 
 async def run_level(arms: Sequence[ArmHandle], generator: WorkloadGenerator, level: Level,
                     model: str, requests: int, warmups: int, blocks: int, burstiness: float,
-                    rng: random.Random, order: str, progress: Progress) -> LevelRun:
+                    rng: random.Random, order: str, progress: Progress,
+                    quiet: tuple[float, float] = (1.0, 0.0)) -> LevelRun:
+    """`quiet`: (the busy share of all CPUs a block may start at, the longest wait for it;
+    0 s: no wait)."""
     warm = {}
     for arm in arms:
         warm[arm.name] = await warm_up(arm, generator, level, model, warmups, progress)
@@ -208,10 +216,11 @@ async def run_level(arms: Sequence[ArmHandle], generator: WorkloadGenerator, lev
         planned = generator.block(level.label, b, name, requests)
         delays = arrival_delays(len(planned.sessions), level.request_rate, burstiness,
                                 random.Random(f"{level.label}:{b}:arrivals"))
+        settle = await wait_quiet(*quiet)
         started = time.time()
         results, duration, beyond, unreported = await run_block(arm, planned, level, model,
                                                                 delays, progress)
         runs.append(BlockRun(name, level, b, position, planned, results, duration, started,
-                             beyond, unreported))
+                             beyond, unreported, settle))
     compiled = {a.name: a.log.compiled_since_mark() for a in arms}
     return LevelRun(level, warm, runs, compiled)

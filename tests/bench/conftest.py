@@ -33,7 +33,9 @@ def run_pair(tokenizer: BenchTokenizer, tmp_path: Path) -> RunPair:
                   order: str = "interleaved", blocks: int = 8, requests: int = 8,
                   concurrency: int = 8, metric: str = "ttft.p50", run_id: str | None = None,
                   upstreams: tuple[FakeUpstream, FakeUpstream] | None = None,
-                  names: tuple[str, str] = ("a", "b")) -> Measured:
+                  names: tuple[str, str] = ("a", "b"),
+                  settle: tuple[float, float] = (0.2, 0.0)) -> Measured:
+        """`settle`: (max busy share, timeout); off unless a test is about it."""
         nonlocal count
         count += 1
         pair = upstreams or (FakeUpstream(a, tokenizer), FakeUpstream(b, tokenizer))
@@ -44,7 +46,8 @@ def run_pair(tokenizer: BenchTokenizer, tmp_path: Path) -> RunPair:
                 workload=WorkloadConfig(input_len=24, output_len=3),
                 concurrency=(concurrency,), blocks=blocks, requests_per_block=requests,
                 warmup_requests=2, seed=seed, order=order, metric=metric,  # type: ignore[arg-type]
-                bootstrap_resamples=400, ratios=(metric,), progress=False)
+                bootstrap_resamples=400, ratios=(metric,), settle_max_busy=settle[0],
+                settle_timeout_s=settle[1], progress=False)
             handles = await open_arms(list(config.arms), config, [], None,
                                       tokenizer.front_tokens)
             try:

@@ -7,7 +7,9 @@ test checks against is known. `drift_per_s` makes the server slower as time pass
 machine getting slower. The prefix cache is vLLM's, simplified: full blocks of
 `block_size` tokens (by the same tokenizer the bench uses), reported as
 `usage.prompt_tokens_details.cached_tokens`. Surfaces: /v1/completions (streaming), /v1/models,
-/version, /health and a dev-mode /server_info saying the engine is eager.
+/version, /health and a dev-mode /server_info saying the engine is eager. With `cpu_tail_s`
+every core is kept busy that long each time the server falls idle, as vLLM CPU's worker
+spins after its last answer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import json
 import math
 import random
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -25,6 +28,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from governor.bench.workloads import BenchTokenizer
+
+from .cpu_load import reap, spin_every_core
 
 MODEL = "fake"
 
@@ -39,6 +44,7 @@ class FakeUpstreamConfig:
     origin: float = field(default_factory=time.perf_counter)
     block_size: int = 16
     seed: int = 0
+    cpu_tail_s: float = 0.0
 
 
 class FakeUpstream:
@@ -48,6 +54,8 @@ class FakeUpstream:
         self.rng = random.Random(config.seed)
         self.cached: set[tuple[int, ...]] = set()
         self.requests = 0
+        self.in_flight = 0
+        self.tails: list[subprocess.Popen[bytes]] = []
 
     def _draw(self, median: float) -> float:
         c = self.config
@@ -67,6 +75,15 @@ class FakeUpstream:
         return hit
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        try:
+            return await self._complete(request)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight and self.config.cpu_tail_s > 0:
+                self.tails += spin_every_core(self.config.cpu_tail_s)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests += 1
         ids = self.tokenizer.encode(body["prompt"])
@@ -131,6 +148,8 @@ async def serving(*upstreams: FakeUpstream) -> AsyncIterator[list[str]]:
     finally:
         for runner in runners:
             await runner.cleanup()
+        for upstream in upstreams:
+            reap(upstream.tails)
 
 
 @contextmanager
