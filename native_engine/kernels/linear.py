@@ -15,7 +15,10 @@ Kinds (by dtype and CPU, `choose_linear`), for the rows past `few_rows`:
   AVX512-BF16 EPYC, against oneDNN-packed bf16 (interleaved, medians): 3.9 vs 7.9 ms at 1
   row, 3.9 vs 5.9 at 4, 10.4 vs 11.5 at 16, 30.3 vs 33.7 at 64, 226 vs 231 at 512; both at
   75-95% of this core's measured bf16 dot-product peak (~205 GFLOP/s) for large M. AMX
-  machines keep oneDNN, whose AMX kernels this GEMM cannot match (not measured here).
+  machines keep oneDNN, whose AMX kernels this GEMM cannot match: the same 30 layers, 1
+  thread, 2-core Xeon with AMX (interleaved, medians): fak_gemm 22.2 vs oneDNN 9.2 ms at
+  16 rows, 89 vs 15.6 at 64, 1,292 vs 100 at 1,000 (~2.1 TFLOP/s); 5.4 vs 5.9 at 1 row,
+  7.2 vs 8.5 at 4, where the C GEMV below takes 1-2 rows.
 - "onednn_gemm": float32 on an x86 CPU, a oneDNN-packed copy (its fp32 GEMMs beat MKL's:
   SmolLM2, 1 thread, 2-core AVX2 EPYC, cold 1,000-token TTFT 5.99 -> 5.66 s, 16 concurrent
   120-token prompts 23.1 -> 25.5 tok/s, 64: 30.0 -> 34.2).
@@ -89,7 +92,7 @@ def on_wide_threads(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor
 
 def choose_linear(dtype: torch.dtype, device: torch.device) -> str:
     """fak's packed GEMM for bf16 on AVX512-BF16 CPUs without AMX (where its kernels built),
-    oneDNN-packed bf16 on other CPUs that pack it (AMX machines: not measured here), widened
+    oneDNN-packed bf16 on other CPUs that pack it (AMX machines: measured above), widened
     bf16 on CPUs that do not (aten's bf16 GEMM there is 4-9x slower than fp32 past a few
     rows); fp32 GEMMs through oneDNN on x86 CPUs (AVX2 or AVX-512) that pack fp32; aten
     everywhere else (CUDA, other CPUs: not measured)."""

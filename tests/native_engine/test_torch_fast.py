@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,9 +85,47 @@ def new_token_slots(batch) -> torch.Tensor:
 def test_attend_with_the_steps_fresh_kv_matches_reference(shape, heads, page, dtype, seed) -> None:
     """The model's path: plan once, attend with the step's own K/V (stored on the way; a
     prompt with nothing cached reads them directly, causally) equals the oracle, for the
-    torch backend and the cpu one (its decodes through the C kernel)."""
-    for backend in (torch_fast, cpu_backend):
-        attend_fresh_kv(backend, shape, heads, page, dtype, seed)
+    torch backend and the cpu one (its decodes through the C kernel; its fresh bf16 prompts
+    through SDPA where the CPU has AMX, here both ways on any CPU)."""
+    attend_fresh_kv(torch_fast, shape, heads, page, dtype, seed)
+    for amx in (False, True):
+        with (mock.patch.object(cpu_backend, "AMX_BF16", amx),
+              mock.patch.object(cpu_backend, "SDPA_PREFILL_TOKENS", 1)):
+            attend_fresh_kv(cpu_backend, shape, heads, page, dtype, seed)
+
+
+def test_fresh_bf16_prompts_take_sdpa_on_amx_and_match_the_c_kernel() -> None:
+    """A long bf16 prompt with nothing cached goes to SDPA where AMX is (its flash kernel's
+    GEMMs on the tiles); a shorter one, a chunk after a cached prefix, and fp32, stay with
+    the C kernel. Both paths agree within bf16 rounding."""
+    long = cpu_backend.SDPA_PREFILL_TOKENS
+    outs = {}
+    for amx in (False, True):
+        with (mock.patch.object(cpu_backend, "AMX_BF16", amx),
+              mock.patch.object(torch_fast, "sdpa_prefill",
+                                wraps=torch_fast.sdpa_prefill) as sdpa):
+            outs[amx] = attend_once([(long, 0), (long - 1, 0), (24, 16), (1, 30)],
+                                    torch.bfloat16)
+        assert sdpa.call_count == (1 if amx else 0)  # only the long fresh prompt
+    torch.testing.assert_close(outs[True].double(), outs[False].double(), atol=2e-2, rtol=2e-2)
+    with (mock.patch.object(cpu_backend, "AMX_BF16", True),
+          mock.patch.object(torch_fast, "sdpa_prefill") as sdpa):
+        attend_once([(long, 0)], torch.float32)
+    assert sdpa.call_count == 0
+
+
+def attend_once(shape: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """cpu_backend.attend over one batch of (new, cached) requests, with the step's K/V."""
+    ctx_lens = [new + cached for new, cached in shape]
+    batch = make_paged_batch([new for new, _ in shape], ctx_lens, num_q_heads=9,
+                             num_kv_heads=3, head_dim=64, page_size=16, dtype=dtype, seed=7)
+    slots = new_token_slots(batch)
+    k_new = batch.k_cache.view(-1, 3, 64)[slots].clone()
+    v_new = batch.v_cache.view(-1, 3, 64)[slots].clone()
+    step = cpu_backend.plan(slots, batch.block_tables, batch.query_start_loc,
+                            batch.context_lens, 16, num_blocks=batch.k_cache.shape[0])
+    return cpu_backend.attend(batch.q, k_new, v_new, batch.k_cache.clone(),
+                              batch.v_cache.clone(), step, batch.scale)
 
 
 def attend_fresh_kv(backend, shape, heads, page, dtype, seed) -> None:
