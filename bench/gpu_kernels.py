@@ -8,12 +8,16 @@ Run on a CUDA machine: `python bench/gpu_kernels.py` (from the repository root).
 3. Decode bytes/s (K+V read once, q and out) against the measured device-to-device copy rate.
 4. The engine on the embedded model: greedy output of the CUDA Triton path (float32) equal to
    the CPU torch path's on 10 prompts.
+5. The engine's throughput on CUDA (its defaults: bf16, Triton): 1, 16 and 64 concurrent
+   random 120-token prompts, 128 output tokens each (issue 18's workload), prefill
+   included, after one warm-up round at each level.
 Prints one summary table; exits 0 when every check passed, 1 when one failed, 2 without CUDA.
 Stays under 5 minutes: a section starting after BUDGET_S is reported as skipped.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -193,6 +197,29 @@ def check_engine(rows: list[Row]) -> None:
                     "token ids compared", same == len(PROMPTS)))
 
 
+def engine_throughput(rows: list[Row], device: str = "cuda",
+                      levels: tuple[int, ...] = (1, 16, 64), output_len: int = 128) -> None:
+    from native_engine.config import EngineConfig
+    from native_engine.engine import LLMEngine
+    from native_engine.request import SamplingParams
+
+    engine = LLMEngine.from_config(EngineConfig(num_blocks=4096, device=device))
+    compute = engine.model_runner.compute
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    for n in levels:
+        runs = []
+        for _ in range(2):  # a warm-up, then the measured run
+            engine.reset_prefix_cache()
+            prompts = [[rng.randrange(100, 40000) for _ in range(120)] for _ in range(n)]
+            start = time.perf_counter()
+            engine.generate(prompts, params)
+            runs.append(time.perf_counter() - start)
+        rows.append(Row("throughput", f"c{n}: {n} x 120-token prompts, {output_len} out",
+                        f"{n * output_len / runs[-1]:.1f} tok/s",
+                        f"{compute.dtype} {compute.attention}, prefill included"))
+
+
 def print_table(rows: list[Row]) -> None:
     widths = [max(len(getattr(r, f)) for r in rows) for f in ("section", "case", "result")]
     head = ("section", "case", "result", "detail")
@@ -219,6 +246,7 @@ def main() -> int:
         ("decode", lambda: time_decode(triton_backend, rows, copy_gbs)),
         ("prefill", lambda: time_prefill(triton_backend, rows)),
         ("engine", lambda: check_engine(rows)),
+        ("throughput", lambda: engine_throughput(rows)),
     ]
     for name, run in sections:
         if time.perf_counter() - start > BUDGET_S:
