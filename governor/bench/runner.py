@@ -202,7 +202,7 @@ class LevelRun:
 async def run_level(arms: Sequence[ArmHandle], generator: WorkloadGenerator, level: Level,
                     model: str, requests: int, warmups: int, blocks: int, burstiness: float,
                     rng: random.Random, order: str, progress: Progress,
-                    quiet: tuple[float, float] = (1.0, 0.0)) -> LevelRun:
+                    quiet: tuple[float, float]) -> LevelRun:
     """`quiet`: (the busy share of all CPUs a block may start at, the longest wait for it;
     0 s: no wait)."""
     warm = {}

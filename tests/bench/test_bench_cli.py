@@ -54,6 +54,10 @@ def test_ab_from_the_command_line(tmp_path: Path, tokenizer, capsys) -> None:  #
     ["bench", "ab", "--arm", "a=http://x", "--arm", "b=http://y", "--blocks", "1"],
     ["bench", "ab", "--arm", "a=http://x", "--arm", "b=http://y", "--workload", "tenant-mix",
      "--arm-log", "zzz=/tmp/log"],
+    *(["bench", "ab", "--arm", "a=http://x", "--arm", "b=http://y", flag, value]
+      for flag, value in (("--settle-max-busy", "0"), ("--settle-max-busy", "1.5"),
+                          ("--settle-max-busy", "nan"), ("--settle-timeout", "-1"),
+                          ("--settle-timeout", "inf"), ("--settle-timeout", "nan"))),
 ])
 def test_bad_usage_is_refused_in_one_line(argv: list[str], capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(argv) == 2
@@ -118,6 +122,20 @@ def test_overhead_refuses_a_config_that_governs_another_engine(tmp_path: Path,
     assert main(["bench", "overhead", "--engine", "http://127.0.0.1:8", "--config",
                  str(config)]) == 2
     assert "must govern --engine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--settle-max-busy", "0"),
+                                        ("--settle-timeout", "-0.5")])
+def test_overhead_refuses_a_bad_settle_before_it_starts(tmp_path: Path, capsys,  # type: ignore[no-untyped-def]
+                                                       flag: str, value: str) -> None:
+    config = tmp_path / "fak.toml"
+    config.write_text('[engine]\nkind = "vllm"\nbase_url = "http://127.0.0.1:9"\n')
+    out = tmp_path / "out"
+    assert main(["bench", "overhead", "--engine", "http://127.0.0.1:9", "--config",
+                 str(config), "--out", str(out), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fak bench overhead: settle_") and err.count("\n") == 1
+    assert not out.exists()  # refused before a governor or a request
 
 
 def test_overhead_refuses_a_tenant_the_governor_would_shed(tmp_path: Path, capsys,  # type: ignore[no-untyped-def]
