@@ -10,7 +10,7 @@ recent prompts). `fak bench overhead --engine` points at it to measure the gover
 (docs/benchmarks.md); it stays out of the package because serving fake answers is not a
 product feature.
 
-    python bench/instant_upstream.py --port 8101 [--chunks 16] [--interval-ms 0]
+    python bench/instant_upstream.py --port 8101 [--chunks 16] [--interval-ms 0] [--prefill-ms 0]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class PrefixMemory:
         return (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE if hit else 0
 
 
-def build_app(chunks: int, interval_s: float = 0.0) -> web.Application:
+def build_app(chunks: int, interval_s: float = 0.0, prefill_s: float = 0.0) -> web.Application:
     memory = PrefixMemory()
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -85,7 +85,9 @@ def build_app(chunks: int, interval_s: float = 0.0) -> web.Application:
                                       "model": MODEL, "choices": [choice],
                                       "usage": _usage(prompt, n, cached)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        await resp.prepare(request)  # as vLLM: the head at once, the first event after prefill
+        if prefill_s:
+            await asyncio.sleep(prefill_s)
         obj += ".chunk" if chat else ""
         for i in range(n):
             delta = {"delta": {"content": "x"}} if chat else {"text": "x"}
@@ -133,8 +135,11 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--interval-ms", type=float, default=0.0,
                         help="pause after each streamed chunk (0: back to back)")
+    parser.add_argument("--prefill-ms", type=float, default=0.0,
+                        help="pause between a stream's head and its first event (a prefill)")
     args = parser.parse_args()
-    web.run_app(build_app(args.chunks, args.interval_ms / 1000), host=args.host,
+    web.run_app(build_app(args.chunks, args.interval_ms / 1000, args.prefill_ms / 1000),
+                host=args.host,
                 port=args.port, print=None)
 
 

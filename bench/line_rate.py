@@ -324,7 +324,8 @@ def run(args: argparse.Namespace) -> None:
             upstream = f"http://127.0.0.1:{port}"
             upstream_pid = stack.enter_context(process(
                 [sys.executable, "bench/instant_upstream.py", "--port", str(port),
-                 "--interval-ms", str(args.stream_interval_ms)],
+                 "--interval-ms", str(args.stream_interval_ms),
+                 "--prefill-ms", str(args.stream_prefill_ms)],
                 upstream + "/health"))
         arms = start_arms(stack, tmp, upstream, args)
         script = wrk_script(tmp, args.stream_tokens)
@@ -341,6 +342,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"  rep {rep + 1}/{args.reps} done; load average {load_average()}",
                   flush=True)
         what = (f"streaming, {args.stream_tokens} chunks, {args.stream_interval_ms} ms apart"
+                f" after {args.stream_prefill_ms} ms of prefill"
                 if args.stream_tokens else "non-streaming, max_tokens=1")
         print(f"\nrequests: {what}")
         report(results, names, args.concurrency,
@@ -410,6 +412,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream-interval-ms", type=float, default=0.0,
                         help="the upstream pauses this long after each streamed chunk, as an "
                              "engine paces its steps (0: back to back)")
+    parser.add_argument("--stream-prefill-ms", type=float, default=0.0,
+                        help="the upstream pauses this long between a stream's head and its "
+                             "first chunk, as an engine's prefill (0: none)")
     args = parser.parse_args(argv)
     if args.litellm_bin and "litellm" not in args.arms:
         args.arms.append("litellm")

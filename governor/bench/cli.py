@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -166,7 +170,39 @@ def ab_config(args: argparse.Namespace) -> ABConfig:
         raise BenchConfigError(str(exc)) from exc
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, to unwind it as Ctrl-C does."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a `kill`, a CI timeout) unwinds the run as Ctrl-C does, so the governor a run
+    started is stopped rather than left serving; the old handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; a caller there keeps its own
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        with _sigterm_interrupts():
+            return _bench(args)
+    except KeyboardInterrupt as exc:
+        print("fak bench: stopped before the end; what it started is stopped",
+              file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
+
+
+def _bench(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "overhead":
             from governor.bench.overhead_cli import cmd_overhead

@@ -3,8 +3,10 @@ fake upstreams (ab) and the near-instant upstream with a real `fak serve` (overh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import httpx
 import pytest
 
 from governor.auth import sha256_hex
+from governor.bench.governor_proc import SERVING
 from governor.cli import main
 from tests.http_client import HTTP
 
@@ -169,3 +172,50 @@ def test_ab_through_the_governor_refuses_a_tenant_it_would_shed(tmp_path: Path, 
     assert err.count("\n") == 1 and "tenant bench" in err
     assert "max_concurrency 16 + max_queued 16 = 32 < --concurrency 64" in err
     assert not (tmp_path / "out" / "governor").exists(), "no governor started for the run"
+
+
+@pytest.mark.slow
+def test_a_terminated_overhead_run_stops_its_governor(tmp_path: Path) -> None:
+    """SIGTERM mid-run (a CI timeout, a `kill`): the bench exits 143 in one line and the
+    governor it started no longer serves."""
+    port = _free_port()
+    upstream = subprocess.Popen([sys.executable, str(ROOT / "bench" / "instant_upstream.py"),
+                                 "--port", str(port), "--prefill-ms", "50"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    config = tmp_path / "fak.toml"
+    config.write_text(f'[engine]\nkind = "vllm"\nbase_url = "{url}"\nmodel = "smollm2"\n'
+                      f'[engine.declare]\nprompt_tokens_details = true\n'
+                      f'[[tenants]]\nid = "bench"\napi_key_sha256 = ["{sha256_hex("k-1")}"]'
+                      f'\nclass = "interactive"\n')
+    env = dict(os.environ, FAK_BENCH_API_KEY="k-1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "out"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "governor.cli", "bench", "overhead", "--engine", url,
+         "--config", str(config), "--out", str(out), "--rounds", "50", "--per-round", "50",
+         "--concurrency", "1,4", "--engine-compile-cache", "not_applicable", "--no-progress",
+         "--settle-max-busy", "0.9", "--settle-timeout", "1"],
+        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        log, governor = out / "governor" / "governor.log", None
+        deadline = time.monotonic() + 120
+        while governor is None and time.monotonic() < deadline and bench.poll() is None:
+            found = SERVING.search(log.read_bytes()) if log.exists() else None
+            with contextlib.suppress(httpx.TransportError):
+                if found and HTTP.get(found[1].decode() + "/ready").status_code == 200:
+                    governor = found[1].decode()
+            time.sleep(0.2)
+        assert governor is not None, bench.stderr.read() if bench.poll() is not None else ""
+        time.sleep(1)  # into its requests
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        bench.kill()
+        upstream.terminate()
+        upstream.wait(10)
+    assert bench.returncode == 143
+    assert err.strip().splitlines() == [
+        "fak bench: stopped before the end; what it started is stopped"]
+    with pytest.raises(httpx.TransportError):
+        HTTP.get(governor + "/ready")
