@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,7 @@ from governor.auth import sha256_hex
 from governor.bench.governor_proc import SERVING
 from governor.cli import main
 from tests.http_client import HTTP
+from tests.processes import serving
 
 from .fake_upstream import FakeUpstream, FakeUpstreamConfig, serving_in_thread
 from .outputs import check_outputs
@@ -74,39 +76,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def _instant_upstream(*flags: str) -> Iterator[str]:
+    """bench/instant_upstream.py on a free port, once it answers /health: its URL."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with serving([str(ROOT / "bench" / "instant_upstream.py"), "--port", str(port), *flags],
+                 url + "/health"):
+        yield url
+
+
+def _overhead_config(tmp_path: Path, url: str) -> Path:
+    """A governor config over `url` with the bench tenant (API key `k-1`)."""
+    config = tmp_path / "fak.toml"
+    config.write_text(f'[server]\ndata_dir = "{tmp_path / "data"}"\n'
+                      f'[engine]\nkind = "vllm"\nbase_url = "{url}"\nmodel = "smollm2"\n'
+                      f'[engine.declare]\nprompt_tokens_details = true\n'
+                      f'[[tenants]]\nid = "bench"\napi_key_sha256 = ["{sha256_hex("k-1")}"]'
+                      f'\nclass = "interactive"\n')
+    return config
+
+
 @pytest.mark.slow
 def test_overhead_from_the_command_line(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    port = _free_port()
-    upstream = subprocess.Popen([sys.executable, str(ROOT / "bench" / "instant_upstream.py"),
-                                 "--port", str(port)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if HTTP.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        config = tmp_path / "fak.toml"
-        config.write_text(f'[server]\ndata_dir = "{tmp_path / "data"}"\n'
-                          f'[engine]\nkind = "vllm"\nbase_url = "{url}"\nmodel = "smollm2"\n'
-                          f'[engine.declare]\nprompt_tokens_details = true\n'
-                          f'[[tenants]]\nid = "bench"\napi_key_sha256 = ["{sha256_hex("k-1")}"]'
-                          f'\nclass = "interactive"\n')
-        monkeypatch.setenv("FAK_BENCH_API_KEY", "k-1")
-        monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH",
-                                                                                 ""))
-        out = tmp_path / "out"
-        rc = main(["bench", "overhead", "--engine", url, "--config", str(config), "--out",
+    monkeypatch.setenv("FAK_BENCH_API_KEY", "k-1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "out"
+    with _instant_upstream() as url:
+        rc = main(["bench", "overhead", "--engine", url, "--config",
+                   str(_overhead_config(tmp_path, url)), "--out",
                    str(out), "--rounds", "3", "--per-round", "4", "--warmup", "2",
                    "--concurrency", "1,4", "--max-tokens", "4",
                    "--engine-compile-cache", "not_applicable", "--no-progress",
                    "--settle-max-busy", "0.9", "--settle-timeout", "5"])
-    finally:
-        upstream.terminate()
-        upstream.wait(10)
     text = capsys.readouterr().out
     assert rc in (0, 1)
     assert "added latency p50" in text and "added TTFT p99" in text
@@ -178,44 +180,39 @@ def test_ab_through_the_governor_refuses_a_tenant_it_would_shed(tmp_path: Path, 
 def test_a_terminated_overhead_run_stops_its_governor(tmp_path: Path) -> None:
     """SIGTERM mid-run (a CI timeout, a `kill`): the bench exits 143 in one line and the
     governor it started no longer serves."""
-    port = _free_port()
-    upstream = subprocess.Popen([sys.executable, str(ROOT / "bench" / "instant_upstream.py"),
-                                 "--port", str(port), "--prefill-ms", "50"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    config = tmp_path / "fak.toml"
-    config.write_text(f'[engine]\nkind = "vllm"\nbase_url = "{url}"\nmodel = "smollm2"\n'
-                      f'[engine.declare]\nprompt_tokens_details = true\n'
-                      f'[[tenants]]\nid = "bench"\napi_key_sha256 = ["{sha256_hex("k-1")}"]'
-                      f'\nclass = "interactive"\n')
     env = dict(os.environ, FAK_BENCH_API_KEY="k-1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "out"
-    bench = subprocess.Popen(
-        [sys.executable, "-m", "governor.cli", "bench", "overhead", "--engine", url,
-         "--config", str(config), "--out", str(out), "--rounds", "50", "--per-round", "50",
-         "--concurrency", "1,4", "--engine-compile-cache", "not_applicable", "--no-progress",
-         "--settle-max-busy", "0.9", "--settle-timeout", "1"],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        log, governor = out / "governor" / "governor.log", None
-        deadline = time.monotonic() + 120
-        while governor is None and time.monotonic() < deadline and bench.poll() is None:
-            found = SERVING.search(log.read_bytes()) if log.exists() else None
-            with contextlib.suppress(httpx.TransportError):
-                if found and HTTP.get(found[1].decode() + "/ready").status_code == 200:
-                    governor = found[1].decode()
-            time.sleep(0.2)
-        assert governor is not None, bench.stderr.read() if bench.poll() is not None else ""
-        time.sleep(1)  # into its requests
-        bench.send_signal(signal.SIGTERM)
-        _, err = bench.communicate(timeout=60)
-    finally:
-        bench.kill()
-        upstream.terminate()
-        upstream.wait(10)
+    with _instant_upstream("--prefill-ms", "50") as url:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "governor.cli", "bench", "overhead", "--engine", url,
+             "--config", str(_overhead_config(tmp_path, url)), "--out", str(out),
+             "--rounds", "50", "--per-round", "50", "--concurrency", "1,4",
+             "--engine-compile-cache", "not_applicable", "--no-progress",
+             "--settle-max-busy", "0.9", "--settle-timeout", "1"],
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            governor = _governor_of(bench, out / "governor" / "governor.log")
+            time.sleep(1)  # into its requests
+            bench.send_signal(signal.SIGTERM)
+            _, err = bench.communicate(timeout=60)
+        finally:
+            bench.kill()
     assert bench.returncode == 143
     assert err.strip().splitlines() == [
         "fak bench: stopped before the end; what it started is stopped"]
     with pytest.raises(httpx.TransportError):
         HTTP.get(governor + "/ready")
+
+
+def _governor_of(bench: subprocess.Popen[str], log: Path) -> str:
+    """The URL of the governor `bench` started, once it answers /ready."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and bench.poll() is None:
+        found = SERVING.search(log.read_bytes()) if log.exists() else None
+        with contextlib.suppress(httpx.TransportError):
+            if found and HTTP.get(found[1].decode() + "/ready").status_code == 200:
+                return found[1].decode()
+        time.sleep(0.2)
+    raise AssertionError(bench.stderr.read() if bench.poll() is not None and bench.stderr
+                         else "no governor ready")
