@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from governor.bench.config import (
@@ -170,36 +171,48 @@ def ab_config(args: argparse.Namespace) -> ABConfig:
         raise BenchConfigError(str(exc)) from exc
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the run is, to unwind it as Ctrl-C does."""
+class _SigtermAsSigint:
+    """SIGTERM (a `kill`, a CI timeout) unwinds the run as Ctrl-C does, so the governor a run
+    started is stopped rather than left serving.
 
+    It calls whatever handles SIGINT at that moment: inside `asyncio.run` that handler
+    cancels the main task, so the exception never lands in another task mid-write;
+    outside, Python's default raises KeyboardInterrupt where the run is."""
 
-def _terminate(signum: int, frame: object) -> None:
-    raise _Terminated
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+        on_sigint = signal.getsignal(signal.SIGINT)
+        if callable(on_sigint):
+            on_sigint(signal.SIGINT, frame)
+        else:  # SIGINT ignored or default: nothing of Python's to borrow
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (a `kill`, a CI timeout) unwinds the run as Ctrl-C does, so the governor a run
-    started is stopped rather than left serving; the old handler is back afterwards."""
+def _sigterm_interrupts() -> Iterator[_SigtermAsSigint]:
+    """Installs `_SigtermAsSigint` for the block; the old handler is back afterwards."""
+    handler = _SigtermAsSigint()
     if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may set handlers; a caller there keeps its own
+        yield handler  # only the main thread may set handlers; a caller there keeps its own
         return
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        yield handler
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    try:
-        with _sigterm_interrupts():
+    with _sigterm_interrupts() as sigterm:
+        try:
             return _bench(args)
-    except KeyboardInterrupt as exc:
-        print("fak bench: stopped before the end; what it started is stopped",
-              file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
+        except KeyboardInterrupt:
+            print("fak bench: stopped before the end; what it started is stopped",
+                  file=sys.stderr)
+            return 128 + (signal.SIGTERM if sigterm.received else signal.SIGINT)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ fake upstreams (ab) and the near-instant upstream with a real `fak serve` (overh
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from governor.auth import sha256_hex
+from governor.bench.cli import _sigterm_interrupts
 from governor.bench.governor_proc import SERVING
 from governor.cli import main
 from tests.http_client import HTTP
@@ -183,7 +185,7 @@ def test_a_terminated_overhead_run_stops_its_governor(tmp_path: Path) -> None:
     env = dict(os.environ, FAK_BENCH_API_KEY="k-1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "out"
-    with _instant_upstream("--prefill-ms", "50") as url:
+    with _instant_upstream() as url:  # busy: the signal often lands inside a task
         bench = subprocess.Popen(
             [sys.executable, "-m", "governor.cli", "bench", "overhead", "--engine", url,
              "--config", str(_overhead_config(tmp_path, url)), "--out", str(out),
@@ -203,6 +205,32 @@ def test_a_terminated_overhead_run_stops_its_governor(tmp_path: Path) -> None:
         "fak bench: stopped before the end; what it started is stopped"]
     with pytest.raises(httpx.TransportError):
         HTTP.get(governor + "/ready")
+
+
+def test_sigterm_inside_a_task_cancels_the_run_and_fails_no_task() -> None:
+    """SIGTERM handled while another task runs (mid-write, as CI saw it): the main task is
+    cancelled and unwinds; the busy task is cancelled, not left holding an exception that
+    asyncio later prints as 'Task exception was never retrieved'."""
+    seen: dict[str, object] = {}
+
+    async def busy() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(200_000))  # Python runs the handler here, inside this task's step
+        await asyncio.sleep(10)
+
+    async def run() -> None:
+        seen["busy"] = asyncio.create_task(busy())
+        try:
+            await asyncio.sleep(10)
+        finally:
+            seen["unwound"] = True
+
+    with _sigterm_interrupts() as sigterm, pytest.raises(KeyboardInterrupt):
+        asyncio.run(run())
+    task = seen["busy"]
+    assert sigterm.received and seen["unwound"]
+    assert isinstance(task, asyncio.Task) and task.cancelled()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def _governor_of(bench: subprocess.Popen[str], log: Path) -> str:
