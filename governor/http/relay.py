@@ -5,10 +5,10 @@ A stream is PENDING until the first byte goes out: until then an error is answer
 own status and body. Waiting for the engine's first chunk, SSE comments keep the connection
 alive every `keepalive_s`; the first comment opens the stream. Once OPEN, every failure —
 an engine error, a broken upstream, a bug — leaves as one SSE error event and `[DONE]`, never
-as a second status line. A client that goes away cancels the handler: the pending read of
-the engine iterator is cancelled and awaited before the iterator is closed (which aborts the
-engine request), so the iterator is never closed while it runs. A write that meets the
-closing transport first ends the stream the same way, as a client disconnect.
+as a second status line. The engine iterator is only ever read by the handler itself, so a
+client that goes away (aiohttp cancels the handler) cancels the read inside the iterator,
+which aborts the engine request; it is closed after, never while it runs. A write that meets
+the closing transport first ends the stream the same way, as a client disconnect.
 """
 
 from __future__ import annotations
@@ -154,11 +154,8 @@ async def relay_stream(request: web.Request, relay: Relay, engine_request: Engin
     gov = relay.gov
     stream = SSEStream(request)
     chunks = gov.driver.generate(engine_request)
-    pending: asyncio.Future[StreamChunk | None] | None = None
     try:
-        pending = asyncio.ensure_future(anext(chunks, None))
-        chunk = await _first(pending, stream, gov.config.server.keepalive_s)
-        pending = None
+        chunk = await _first(chunks, stream, gov.config.server.keepalive_s)
         while chunk is not None:
             relay.saw(chunk)
             if chunk.done:
@@ -182,31 +179,63 @@ async def relay_stream(request: web.Request, relay: Relay, engine_request: Engin
         relay.finish("error")
         return await stream.fail(internal_error())
     finally:
-        await _settle(pending)
         await chunks.aclose()
     relay.finish("ok")
     return await stream.close()
 
 
-async def _first(pending: asyncio.Future[StreamChunk | None], stream: SSEStream,
+async def _first(chunks: AsyncGenerator[StreamChunk, None], stream: SSEStream,
                  keepalive_s: float) -> StreamChunk | None:
-    """The engine's first chunk; past `keepalive_s` the stream opens with comments."""
-    while True:
-        done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
-        if done:
-            return pending.result()
-        await stream.send(KEEPALIVE)
+    """The engine's first chunk, read by the handler itself (a task racing a timeout cost a
+    task and a loop pass more before the first token); past `keepalive_s` a timer opens the
+    stream with comments. A comment being written is finished before the chunk goes out: a
+    client gone meanwhile is raised here as the write's ConnectionError."""
+    keepalive = _Keepalive(stream, keepalive_s)
+    try:
+        return await anext(chunks, None)
+    except asyncio.CancelledError:
+        keepalive.cancel()
+        raise
+    finally:
+        await keepalive.stop()
 
 
-async def _settle(pending: asyncio.Future[Any] | None) -> None:
-    """Cancel a read still running and wait until it has stopped."""
-    if pending is None or pending.done():
-        if pending is not None and not pending.cancelled():
-            pending.exception()  # retrieved: no "exception never retrieved" warning
-        return
-    pending.cancel()
-    with contextlib.suppress(BaseException):
-        await pending
+class _Keepalive:
+    """SSE comments every `interval_s` from a timer until stopped, one write at a time: the
+    next is armed when one has gone out."""
+
+    def __init__(self, stream: SSEStream, interval_s: float) -> None:
+        self.stream, self.interval_s = stream, interval_s
+        self.loop = asyncio.get_running_loop()
+        self.stopped = False
+        self.timer = self.loop.call_later(interval_s, self._due)
+        self.writing: asyncio.Task[None] | None = None
+
+    def _due(self) -> None:
+        self.writing = self.loop.create_task(self._send())
+
+    async def _send(self) -> None:
+        await self.stream.send(KEEPALIVE)
+        if not self.stopped:
+            self.timer = self.loop.call_later(self.interval_s, self._due)
+
+    async def stop(self) -> None:
+        """No comment after this; one in flight is awaited (its failure raised)."""
+        self.stopped = True
+        self.timer.cancel()
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            await writing
+
+    def cancel(self) -> None:
+        """Stop without waiting (the handler is cancelled): a write in flight is cancelled."""
+        self.stopped = True
+        self.timer.cancel()
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            if writing.done() and not writing.cancelled():
+                writing.exception()  # retrieved: no "exception never retrieved" warning
+            writing.cancel()
 
 
 async def relay_once(request: web.Request, relay: Relay,
