@@ -139,8 +139,7 @@ def main() -> None:
                         help="pause between a stream's head and its first event (a prefill)")
     args = parser.parse_args()
     web.run_app(build_app(args.chunks, args.interval_ms / 1000, args.prefill_ms / 1000),
-                host=args.host,
-                port=args.port, print=None)
+                host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":
