@@ -10,7 +10,8 @@ recent prompts). `fak bench overhead --engine` points at it to measure the gover
 (docs/benchmarks.md); it stays out of the package because serving fake answers is not a
 product feature.
 
-    python bench/instant_upstream.py --port 8101 [--chunks 16] [--interval-ms 0] [--prefill-ms 0]
+    python bench/instant_upstream.py --port 8101 [--chunks 16] [--interval-ms 0] [--prefill-ms 0] \
+        [--metrics-file ../shared/vectors/vllm-0.32.0-cpu/metrics_after.prom]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import json
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 from aiohttp import web
 
@@ -62,7 +64,8 @@ class PrefixMemory:
         return (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE if hit else 0
 
 
-def build_app(chunks: int, interval_s: float = 0.0, prefill_s: float = 0.0) -> web.Application:
+def build_app(chunks: int, interval_s: float = 0.0, prefill_s: float = 0.0,
+              metrics_text: str | None = None) -> web.Application:
     memory = PrefixMemory()
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -110,7 +113,8 @@ def build_app(chunks: int, interval_s: float = 0.0, prefill_s: float = 0.0) -> w
             "parent": None, "max_model_len": 2048, "permission": []}]})
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text="# TYPE vllm:cache_config_info gauge\n" + CACHE_CONFIG)
+        return web.Response(text=metrics_text if metrics_text is not None else
+                            "# TYPE vllm:cache_config_info gauge\n" + CACHE_CONFIG)
 
     async def version(request: web.Request) -> web.Response:
         return web.json_response({"version": "0.32.0"})
@@ -137,9 +141,13 @@ def main() -> None:
                         help="pause after each streamed chunk (0: back to back)")
     parser.add_argument("--prefill-ms", type=float, default=0.0,
                         help="pause between a stream's head and its first event (a prefill)")
+    parser.add_argument("--metrics-file", type=Path, default=None,
+                        help="answer /metrics with this exposition (a recorded vLLM one: the "
+                        "size a fleet's health checks parse)")
     args = parser.parse_args()
-    web.run_app(build_app(args.chunks, args.interval_ms / 1000, args.prefill_ms / 1000),
-                host=args.host, port=args.port, print=None)
+    metrics = None if args.metrics_file is None else args.metrics_file.read_text()
+    web.run_app(build_app(args.chunks, args.interval_ms / 1000, args.prefill_ms / 1000,
+                          metrics), host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 A check: `/health` and, whenever the upstream was seen down, reconnected or restarted (a
 KV seq that went back, or a `/version` that changed), a full capability re-probe
 (`VLLMDriver.ready` → `ensure_probed`); the re-probed capabilities must still fit the
-fleet's (adapters/fleet/capabilities.py); then one `/metrics` scrape for the ranks' loads.
+fleet's (adapters/fleet/capabilities.py); then one `/metrics` scrape for the ranks' loads
+(their gauges alone are parsed: the check runs on the loop that relays generation).
 Pass → up. Fail → down, and the next check comes after a doubling backoff (from
 `interval_s` up to `backoff_max_s`); a request that finds the connection lost marks the
 upstream down and wakes its watcher at once.
@@ -96,6 +97,5 @@ class HealthWatch:
         if mismatch:
             driver.mark_reconnect()
             return f"refused after re-probe: {mismatch}"
-        snapshot = await driver.scrape()
-        upstream.set_loads(snapshot.engine_load)
+        upstream.set_loads(await driver.engine_loads())
         return None

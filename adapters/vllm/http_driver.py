@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -49,7 +49,14 @@ from .control_plane import AnswerTooLarge, ControlPlane, ControlPlaneConfig
 from .dev_control import VLLMDevControl
 from .fak_control import FakCacheControlClient
 from .kv_subscriber import KVEventSubscriber
-from .metrics import MetricsParseError, MetricsScrapeError, MetricsSnapshot, scrape, serving_metrics
+from .metrics import (
+    MetricsParseError,
+    MetricsScrapeError,
+    MetricsSnapshot,
+    scrape,
+    scrape_loads,
+    serving_metrics,
+)
 from .sse import MalformedUpstreamError, SSEFramer, chunk_from_body, chunk_from_event_data
 from .upstream_errors import error_from_body, timed_out, unavailable
 from .urls import EngineURLs, ForbiddenURLError
@@ -335,11 +342,18 @@ class VLLMDriver:
 
     async def scrape(self) -> MetricsSnapshot:
         """One `/metrics` scrape of this engine (EngineError 502 when it fails)."""
+        return await self._metrics(scrape)
+
+    async def engine_loads(self) -> dict[str, float] | None:
+        """Running plus waiting requests per DP rank, from one `/metrics` scrape that reads
+        the load gauges only (EngineError 502 when it fails)."""
+        return await self._metrics(scrape_loads)
+
+    async def _metrics(self, read: Callable[..., Awaitable[T]]) -> T:
         try:
             control = self._require_control()
-            return await scrape(control.client, self.metrics_urls,
-                                self.capabilities.model_id or None,
-                                control.config.max_answer_bytes)
+            return await read(control.client, self.metrics_urls,
+                              self.capabilities.model_id or None, control.config.max_answer_bytes)
         except (MetricsScrapeError, MetricsParseError) as exc:
             raise unavailable(f"metrics: {exc}") from exc
 

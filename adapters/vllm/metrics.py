@@ -4,7 +4,9 @@ docs/reference/vllm-surfaces.md §3).
 The exposition is parsed by prometheus_client's parser; this module only picks samples, and
 hands the parser only the lines of the families it reads (`read_lines`): vLLM 0.32 exports
 ~60 families in ~630 lines, the pure-Python parser took 12 ms for all of them, and the
-governor scrapes on a timer on the loop that relays generation. Every
+governor scrapes on a timer on the loop that relays generation. A fleet's health checks,
+once a second per upstream, read only the load gauges (`loads_from_text`: 0.4 ms against
+3.1 ms for a whole snapshot of a recorded 0.32 exposition). Every
 vLLM name generation maps to the same field (`gpu_*` → `kv_*` / `prefix_*`,
 `time_per_output_token` → `inter_token_latency`, counters with or without `_total`); the
 newest name wins when an exposition carries both. Values are summed over DP engines (the
@@ -53,7 +55,7 @@ CACHE_CONFIG = "vllm:cache_config_info"
 READ_FAMILIES: tuple[str, ...] = tuple(sorted({
     *(name for names in (*GAUGES.values(), *COUNTERS.values(), *HISTOGRAMS.values())
       for name in names), CACHE_CONFIG}))
-_SAMPLE_STARTS = (*READ_FAMILIES, "{")  # a read family's sample, or a quoted-name sample
+LOAD_FAMILIES: tuple[str, ...] = (*GAUGES["running"], *GAUGES["waiting"])
 
 
 class MetricsParseError(ValueError):
@@ -67,21 +69,21 @@ class MetricsScrapeError(RuntimeError):
 Samples: TypeAlias = dict[str, list[tuple[dict[str, str], float]]]
 
 
-def read_lines(text: str) -> str:
-    """The lines of `text` that belong to READ_FAMILIES (samples, HELP and TYPE), in order.
+def read_lines(text: str, families: tuple[str, ...] = READ_FAMILIES) -> str:
+    """The lines of `text` that belong to `families` (samples, HELP and TYPE), in order.
     Kept by name prefix, so a family whose name extends a read one's stays (parsed, then
     not picked); a sample line that opens with a quoted name (`{"name", ...}`) stays too.
     The parser reads each family from its TYPE line and samples alone, so the families kept
     parse as they do in the whole text."""
-    kept = []
+    kept, sample_starts = [], (*families, "{")
     for line in text.split("\n"):
         stripped = line.strip()
         if stripped.startswith("#"):
             parts = stripped.split(None, 3)
             if len(parts) < 3 or parts[1] not in ("HELP", "TYPE") or \
-                    not parts[2].lstrip('"').startswith(READ_FAMILIES):
+                    not parts[2].lstrip('"').startswith(families):
                 continue
-        elif not stripped.startswith(_SAMPLE_STARTS):
+        elif not stripped.startswith(sample_starts):
             continue
         kept.append(line)
     return "\n".join(kept) + "\n" if kept else ""
@@ -242,6 +244,17 @@ def snapshot_from_text(text: str, model: str | None = None) -> MetricsSnapshot:
     return snapshot
 
 
+def loads_from_text(text: str, model: str | None = None) -> dict[str, float] | None:
+    """Running plus waiting requests per DP engine, from the load gauges' lines alone (None
+    if not exported). Garbage in those lines, or a sample that is not finite and ≥ 0, is a
+    MetricsParseError; garbage elsewhere is not read."""
+    samples = parse_samples(read_lines(text, LOAD_FAMILIES))
+    for name in LOAD_FAMILIES:
+        for _, value in samples.get(name, ()):
+            _check_value(name, value)
+    return _engine_load(samples, model)
+
+
 def histogram_quantile(q: float, buckets: Buckets | None) -> float | None:
     """Prometheus' histogram_quantile: linear inside the bucket; None without observations."""
     if buckets is None or not buckets or buckets[-1][1] <= 0:
@@ -312,6 +325,20 @@ async def scrape(
     limit: int = CONTROL_ANSWER_BYTES,
 ) -> MetricsSnapshot:
     """GET /metrics (at most `limit` bytes) and parse it."""
+    return snapshot_from_text(await exposition(client, urls, limit), model)
+
+
+async def scrape_loads(
+    client: httpx.AsyncClient, urls: EngineURLs, model: str | None = None,
+    limit: int = CONTROL_ANSWER_BYTES,
+) -> dict[str, float] | None:
+    """GET /metrics (at most `limit` bytes) and read the engines' loads only."""
+    return loads_from_text(await exposition(client, urls, limit), model)
+
+
+async def exposition(client: httpx.AsyncClient, urls: EngineURLs,
+                     limit: int = CONTROL_ANSWER_BYTES) -> str:
+    """The text of GET /metrics (at most `limit` bytes); MetricsScrapeError otherwise."""
     endpoint = urls.metrics()
     try:
         response = await bounded_request(client, endpoint.method, endpoint.url, limit)
@@ -321,4 +348,4 @@ async def scrape(
             f"GET {endpoint.url.path} failed: {type(exc).__name__}") from exc
     if response.status_code != 200:
         raise MetricsScrapeError(f"GET {endpoint.url.path} answered {response.status_code}")
-    return snapshot_from_text(response.text, model)
+    return response.text

@@ -12,6 +12,7 @@ from adapters.vllm.metrics import (
     READ_FAMILIES,
     MetricsParseError,
     histogram_quantile,
+    loads_from_text,
     parse_samples,
     read_lines,
     serving_metrics,
@@ -141,6 +142,44 @@ def test_lines_of_other_families_are_not_parsed() -> None:
     assert snapshot.gauges["running"] == 3
     with pytest.raises(MetricsParseError):
         snapshot_from_text(running + "vllm:num_requests_waiting{le= 1\n")
+
+
+@pytest.mark.parametrize("name", ["metrics_before.prom", "metrics_after.prom"])
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
+def test_the_loads_alone_match_the_whole_snapshots(run, name: str) -> None:
+    text = (run / name).read_text()
+    loads = loads_from_text(text, "smollm2")
+    assert loads is not None and loads == snapshot_from_text(text, "smollm2").engine_load
+
+
+def test_loads_per_engine_read_from_their_gauges_alone() -> None:
+    """Running plus waiting per `engine`, of the model asked for; a broken line of another
+    family is not read, a broken or negative load is a parse error."""
+    text = """\
+vllm:num_requests_running{engine="0",model_name="m"} 2
+vllm:num_requests_running{engine="1",model_name="m"} 3
+vllm:num_requests_waiting{engine="1",model_name="m"} 4
+vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="capacity"} 4
+vllm:num_requests_running{engine="0",model_name="other"} 50
+vllm:time_to_first_token_seconds_bucket{le= 1
+"""
+    assert loads_from_text(text, "m") == {"0": 2.0, "1": 7.0}
+    assert loads_from_text(text) == {"0": 52.0, "1": 7.0}
+    assert loads_from_text("vllm:kv_cache_usage_perc 0.5\n") is None
+    for broken in ("vllm:num_requests_waiting{le= 1\n", "vllm:num_requests_running -1\n",
+                   "vllm:num_requests_running NaN\n"):
+        with pytest.raises(MetricsParseError):
+            loads_from_text(text + broken)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=200))
+def test_fuzz_loads(garbage: str) -> None:
+    try:
+        loads = loads_from_text("vllm:num_requests_running" + garbage)
+    except MetricsParseError:
+        return
+    assert loads is None or all(0 <= v < math.inf for v in loads.values())
 
 
 def test_garbage_raises_the_parse_error() -> None:

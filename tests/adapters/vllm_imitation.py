@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,7 @@ class Imitation:
     die_after_events: int | None = None  # a stream's connection is reset after this many
     end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
     first_event_delay_s: float = 0.0  # between a stream's head and its first event
+    metrics_edit: Callable[[str], str] | None = None  # applied to the recorded /metrics
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
     peers: list[Any] = field(default_factory=list)  # each request's client address
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -97,6 +99,8 @@ class Imitation:
     def metrics_text(self) -> str:
         text = (INT_RUN / "metrics_after.prom").read_text()
         assert RECORDED_HASH_ALGO in text
+        if self.metrics_edit is not None:
+            text = self.metrics_edit(text)
         if self.hash_algo is None:
             return "\n".join(line for line in text.splitlines()
                              if not line.startswith("vllm:cache_config_info"))

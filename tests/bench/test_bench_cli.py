@@ -22,6 +22,7 @@ from governor.auth import sha256_hex
 from governor.bench.cli import _sigterm_interrupts
 from governor.bench.governor_proc import SERVING
 from governor.cli import main
+from tests.adapters.vllm_vectors import INT_RUN
 from tests.http_client import HTTP
 from tests.processes import serving
 
@@ -86,6 +87,14 @@ def _instant_upstream(*flags: str) -> Iterator[str]:
     with serving([str(ROOT / "bench" / "instant_upstream.py"), "--port", str(port), *flags],
                  url + "/health"):
         yield url
+
+
+def test_the_instant_upstream_answers_metrics_with_a_recorded_exposition() -> None:
+    recorded = INT_RUN / "metrics_after.prom"
+    with _instant_upstream("--metrics-file", str(recorded)) as url:
+        assert HTTP.get(url + "/metrics", timeout=10).text == recorded.read_text()
+    with _instant_upstream() as url:
+        assert "vllm:cache_config_info" in HTTP.get(url + "/metrics", timeout=10).text
 
 
 def _overhead_config(tmp_path: Path, url: str) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,3 +186,33 @@ def test_a_long_prompt_is_routed_while_the_governor_answers(
         routing = HTTP.get(f"{st.url}/admin/v1/upstreams",
                            headers={"Authorization": f"Bearer {ADMIN}"}).json()["routing"]
         assert routing["policy"] == "kv_aware" and routing["decisions"] == 1
+
+
+RUNNING = 'vllm:num_requests_running{engine="0",model_name="smollm2"} 0.0'
+WAITING = 'vllm:num_requests_waiting{engine="0",model_name="smollm2"} 0.0'
+TTFT_BUCKET = 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="smollm2"}'
+
+
+def upstream_a(stack: Stack, until: Callable[[dict], bool]) -> dict:
+    """Upstream a's admin view once `until` holds for it (health checks every 0.05 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        view = HTTP.get(f"{stack.url}/admin/v1/upstreams", timeout=10,
+                        headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"][0]
+        if until(view) or time.monotonic() > deadline:
+            return view
+        time.sleep(0.05)
+
+
+def test_health_checks_read_the_engines_loads_from_their_gauges_alone(stack: Stack) -> None:
+    """Each check scrapes the upstream's loads (running + waiting); a broken line outside
+    those gauges is not parsed (a histogram's here), a broken load gauge is a failed check."""
+    imitation = stack.states["a"]
+    assert RUNNING in imitation.metrics_text() and TTFT_BUCKET in imitation.metrics_text()
+    imitation.metrics_edit = lambda text: text.replace(RUNNING, RUNNING[:-3] + "3.0").replace(
+        WAITING, WAITING[:-3] + "2.0").replace(TTFT_BUCKET, TTFT_BUCKET[:-1] + "{ broken")
+    view = upstream_a(stack, lambda v: v["ranks"][0]["engine_load"] == 5.0)
+    assert view["up"] and view["ranks"][0]["engine_load"] == 5.0, view
+    imitation.metrics_edit = lambda text: text.replace(RUNNING, RUNNING[:-3] + "-1.0")
+    view = upstream_a(stack, lambda v: not v["up"])
+    assert not view["up"] and view["refusal"].startswith("health check failed"), view
