@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.processes import bound_to_this_process
+
 from .vllm_server import LOG_TAIL_CHARS, REPO_ROOT, _free_ports, _port_of, _tail
 
 
@@ -134,7 +136,8 @@ def start_native_server(config: NativeServerConfig) -> NativeServer:
     started = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            server_command(config, http_port, kv_port, replay_port), stdout=log,
+            bound_to_this_process(server_command(config, http_port, kv_port, replay_port)),
+            stdout=log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
             start_new_session=True)
     server = NativeServer(

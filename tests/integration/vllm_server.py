@@ -7,7 +7,8 @@ Steps (each fails with `VllmServerError`, never silently):
    source when fak's own `native_engine.model.export_hf` did the export). fak's exporter is
    preferred; transformers' GGUF loader (`scripts/hf_from_gguf.py`) is the fallback.
 3. `python -m vllm.entrypoints.openai.api_server` starts in its own process group with KV
-   events on; `/health` is polled until 200.
+   events on, its group ended if the test run dies (`tests.processes.bound_to_this_process`:
+   SIGTERM, SIGKILL 30 s later); `/health` is polled until 200.
 
 KV events: vLLM *binds* its PUB socket (`tcp://*:P`), so any number of subscribers can
 connect to `kv_endpoint` during the session; a subscriber that joins late catches up
@@ -43,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from tests.processes import bound_to_this_process, process_group_pids
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -132,7 +135,7 @@ class VllmServer:
 
     def rss_bytes(self) -> int:
         """Sum of resident memory of every process in the server's process group."""
-        return sum(_rss_bytes(pid) for pid in _process_group_pids(self.pid))
+        return sum(_rss_bytes(pid) for pid in process_group_pids(self.pid))
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         return _tail(self.log_path, chars)
@@ -218,7 +221,8 @@ def start_vllm_server(config: VllmServerConfig) -> VllmServer:
     started = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            _server_command(config, hf_dir, http_port, kv_port, replay_port),
+            bound_to_this_process(_server_command(config, hf_dir, http_port, kv_port,
+                                                  replay_port)),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -257,7 +261,7 @@ def stop_vllm_server(server: VllmServer, grace_s: float = 30.0) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         server.process.wait(timeout=grace_s)
     deadline = time.monotonic() + grace_s
-    while _process_group_pids(server.pid) and time.monotonic() < deadline:
+    while process_group_pids(server.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(server.pid, signal.SIGKILL)
@@ -432,25 +436,6 @@ def _free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-def _process_group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.getpgid(int(entry.name)) == pgid and _process_state(int(entry.name)) != "Z":
-                pids.append(int(entry.name))
-    return pids
-
-
-def _process_state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def _rss_bytes(pid: int) -> int:
