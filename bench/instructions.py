@@ -13,7 +13,8 @@ bench/line_rate.py (one process each: no `-wN`, no LiteLLM). Counts are exact, s
 one after the other rather than interleaved.
 
     .venv/bin/python bench/instructions.py [--arms fak,aiohttp-aiohttp] \\
-        [--fak-arm base=<a worktree>] [--requests 1000] [--stream-tokens 0] [--keep DIR]
+        [--fak-arm base=<a worktree>] [--requests 1000] [--stream-tokens 0] \\
+        [--stream-interval-ms 0] [--keep DIR]
 
 `valgrind` must be on PATH (Debian: `apt-get install valgrind`); `--keep DIR` keeps each
 arm's dump for `callgrind_annotate`. The bare proxy runs on asyncio's own loop, fak on uvloop.
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> None:
         port = line_rate.free_port()
         upstream = f"http://127.0.0.1:{port}"
         stack.enter_context(line_rate.process(
-            [sys.executable, "bench/instant_upstream.py", "--port", str(port)],
+            [sys.executable, "bench/instant_upstream.py", "--port", str(port),
+             "--interval-ms", str(args.stream_interval_ms)],
             upstream + "/health"))
         under = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.%p")
         arms = line_rate.start_arms(stack, tmp, upstream, args, under, ready_timeout_s=900)
@@ -125,8 +127,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def report(counted: dict[str, Counted], args: argparse.Namespace) -> None:
-    what = (f"streaming, {args.stream_tokens} chunks" if args.stream_tokens
-            else "non-streaming, max_tokens=1")
+    what = (f"streaming, {args.stream_tokens} chunks, {args.stream_interval_ms:g} ms apart"
+            if args.stream_tokens else "non-streaming, max_tokens=1")
     print(f"\n{args.requests} requests ({what}) at concurrency {args.concurrency} after "
           f"{args.warmup} unmeasured")
     first = next(iter(counted.values())).per_request
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--stream-tokens", type=int, default=0,
                         help="stream this many chunks per request (0: one whole answer)")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="the upstream's pause after each chunk (0: back to back, most "
+                        "read together; paced as an engine's steps, each is a read and a "
+                        "write of its own)")
     parser.add_argument("--keep", type=Path, help="copy each arm's dump here")
     args = parser.parse_args(argv)
     args.fak_roots = dict(spec.split("=", 1) for spec in args.fak_arm)
@@ -157,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"one process per arm here: {', '.join(bad)} cannot be counted")
     if min(args.requests, args.warmup, args.concurrency) < 1 or args.stream_tokens < 0:
         parser.error("--requests, --warmup and --concurrency must be positive")
+    if args.stream_interval_ms < 0:
+        parser.error("--stream-interval-ms must be >= 0")
     run(args)
 
 

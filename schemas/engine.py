@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from schemas.openai import AnyRequest, Route, parse_request
 
@@ -107,8 +107,7 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
+class StreamChunk(NamedTuple):
     """One unit a driver yields.
 
     For a streaming request each chunk is one SSE `data:` payload exactly as the engine sent
@@ -118,6 +117,10 @@ class StreamChunk:
     the engine sent it, when the driver has it: the governor relays it byte for byte.
     `more`: the next chunk is already at hand (the driver read them together), so a relay
     may write this one with it, in one write, without delaying either.
+
+    Immutable as a tuple, not as a frozen dataclass: one is built per SSE event, and a
+    frozen dataclass's `__init__` sets each field through `object.__setattr__` (1.0 µs
+    against 0.4 µs, positional, `timeit`).
     """
 
     data: dict[str, Any] | None

@@ -508,7 +508,7 @@ async def _relay_sse(
     # One timer for the stream, not a timeout context for each read (~9% of the relay's
     # CPU): past `first_byte` before the first event, or past `deadline`, reads fail.
     loop = asyncio.get_running_loop()
-    expiry = loop.call_at(first_byte, _expire, content)
+    expiry, waiting_first = loop.call_at(first_byte, _expire, content), True
     try:
         while True:
             try:
@@ -521,9 +521,9 @@ async def _relay_sse(
             unframed = 0 if events else unframed + len(data)
             if unframed > limit:
                 raise unavailable(f"an SSE event is larger than {limit} bytes")
-            if events and expiry.when() != deadline:
+            if events and waiting_first:
                 expiry.cancel()
-                expiry = loop.call_at(deadline, _expire, content)
+                expiry, waiting_first = loop.call_at(deadline, _expire, content), False
             payloads = [event.data for event in events if event.data]
             for i, payload in enumerate(payloads, 1):
                 chunk = _decoded(chunk_from_event_data, payload, i < len(payloads))

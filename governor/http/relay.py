@@ -84,7 +84,9 @@ def sse_chunk(chunk: StreamChunk) -> bytes:
 
 
 def _usage_only(chunk: StreamChunk) -> bool:
-    return chunk.data is not None and chunk.data.get("choices") == [] and "usage" in chunk.data
+    """The chunk `include_usage` adds: usage, no choices (one the client did not ask for is
+    not relayed)."""
+    return chunk.usage is not None and chunk.data is not None and chunk.data.get("choices") == []
 
 
 class SSEStream:
@@ -110,10 +112,12 @@ class SSEStream:
 
     async def send(self, data: bytes, more: bool = False) -> None:
         """Write `data` after what is held, or hold it too where `more` follows at once."""
-        self.held.append(data)
-        if not more:
+        if more or self.held:
+            self.held.append(data)
+            if more:
+                return
             data, self.held = b"".join(self.held), []
-            await (await self._open()).write(data)
+        await (self.response or await self._open()).write(data)  # once open: no coroutine
 
     async def end(self, data: bytes) -> None:
         """The last bytes and the body's end, in one write."""
@@ -160,7 +164,7 @@ async def relay_stream(request: web.Request, relay: Relay, engine_request: Engin
             relay.saw(chunk)
             if chunk.done:
                 await stream.end(DONE)  # the engine's body end is still read, for its reuse
-            elif client_wants_usage or not _usage_only(chunk):
+            elif client_wants_usage or chunk.usage is None or not _usage_only(chunk):
                 await stream.send(sse_chunk(chunk), chunk.more)
             chunk = await anext(chunks, None)
     except APIError as err:
