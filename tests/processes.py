@@ -41,10 +41,9 @@ def bound_to_this_process(cmd: list[str], grace_s: float = 30.0) -> list[str]:
     """`cmd` under tests/group_leader.py: its process group ends when the leader gets
     SIGTERM or when this process dies, however it dies (a run killed by SIGTERM or SIGKILL
     leaves no server behind); SIGKILL follows SIGTERM after `grace_s`. Start it in a
-    session of its own (`start_new_session=True`), from the main thread: the kernel's
-    parent-death signal follows the thread."""
-    return ["setpriv", "--pdeathsig", "TERM", "--", sys.executable,
-            str(REPO_ROOT / "tests" / "group_leader.py"), str(os.getpid()), str(grace_s), *cmd]
+    session of its own (`start_new_session=True`), from any thread."""
+    return [sys.executable, str(REPO_ROOT / "tests" / "group_leader.py"), str(os.getpid()),
+            str(grace_s), *cmd]
 
 
 def process_group_pids(pgid: int) -> list[int]:

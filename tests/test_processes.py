@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from tests.processes import REPO_ROOT, bound_to_this_process, process_group_pids
@@ -81,3 +82,27 @@ def test_sigterm_to_the_leader_ends_the_group_with_the_servers_code() -> None:
         assert _wait_for(lambda: not process_group_pids(leader.pid), 10)
     finally:
         os.killpg(leader.pid, signal.SIGKILL) if process_group_pids(leader.pid) else None
+
+
+def test_a_server_started_from_a_thread_that_ended_keeps_running() -> None:
+    """The suite starts servers from pool threads, which end once their server is up: the
+    binding follows the process, not the thread."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        leader = subprocess.Popen(bound_to_this_process([sys.executable, "-c", SERVER, "obey"]),
+                                  start_new_session=True)
+        started.append(leader)
+        _wait_for(lambda: _has_its_sleep(leader.pid), 20)  # up, as start_native_server
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join()
+    (leader,) = started
+    try:
+        assert _has_its_sleep(leader.pid)
+        time.sleep(1.5)  # three of the leader's checks of its parent
+        assert leader.poll() is None and _has_its_sleep(leader.pid)
+    finally:
+        leader.send_signal(signal.SIGTERM)
+        leader.wait(10)
