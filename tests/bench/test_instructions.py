@@ -34,3 +34,10 @@ def test_a_supervised_arm_is_refused() -> None:
     run = subprocess.run([sys.executable, str(SCRIPT), "--arms", "fak-w2"],
                          capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
     assert run.returncode == 2 and "cannot be counted" in run.stderr
+
+
+def test_a_negative_pause_between_events_is_refused() -> None:
+    run = subprocess.run([sys.executable, str(SCRIPT), "--stream-tokens", "4",
+                          "--stream-interval-ms", "-1"],
+                         capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
+    assert run.returncode == 2 and "--stream-interval-ms must be >= 0" in run.stderr
