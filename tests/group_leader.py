@@ -42,14 +42,13 @@ def main(parent: int, grace_s: float, cmd: list[str]) -> int:
     signal.signal(signal.SIGALRM, kill_group)
     signal.signal(signal.SIGTERM, functools.partial(end_group, grace_s))
     child = subprocess.Popen(cmd)
-    ending = False
     while True:
         try:
             code = child.wait(POLL_S)
             break
         except subprocess.TimeoutExpired:
+            ending = signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # end_group ran
             if not ending and os.getppid() != parent:  # the run is gone
-                ending = True
                 end_group(grace_s, signal.SIGTERM, None)
     if code < 0:  # ended by a signal: the leader ends by the same one, for its starter to see
         signal.signal(-code, signal.SIG_DFL)

@@ -4,12 +4,14 @@ after the grace when the server ignores SIGTERM (vLLM during its start-up)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tests.processes import REPO_ROOT, bound_to_this_process, process_group_pids
 
@@ -37,10 +39,22 @@ def _wait_for(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-d
     return True
 
 
+def _name(pid: int) -> str:
+    """The process's command name; "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _has_its_sleep(pgid: int) -> bool:
     """The server's own child runs (the group is fully started)."""
-    return any(open(f"/proc/{p}/comm").read().strip() == "sleep"
-               for p in process_group_pids(pgid))
+    return any(_name(p) == "sleep" for p in process_group_pids(pgid))
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _outlives_its_starter(mode: str, binding: str, wait_s: float) -> bool:
@@ -56,7 +70,7 @@ def _outlives_its_starter(mode: str, binding: str, wait_s: float) -> bool:
         starter.wait()
         return not _wait_for(lambda: not process_group_pids(pgid), wait_s)
     finally:
-        os.killpg(pgid, signal.SIGKILL) if process_group_pids(pgid) else None
+        _kill_group(pgid)
 
 
 def test_the_group_ends_with_the_run_that_started_it() -> None:
@@ -81,7 +95,7 @@ def test_sigterm_to_the_leader_ends_the_group_with_the_servers_code() -> None:
         assert leader.wait(10) == -signal.SIGTERM  # the server's own end, passed on
         assert _wait_for(lambda: not process_group_pids(leader.pid), 10)
     finally:
-        os.killpg(leader.pid, signal.SIGKILL) if process_group_pids(leader.pid) else None
+        _kill_group(leader.pid)
 
 
 def test_a_server_started_from_a_thread_that_ended_keeps_running() -> None:
