@@ -139,6 +139,8 @@ RANK_GAUGES = (("in_flight", "fak_upstream_in_flight_requests", "Requests the go
 RANK_COUNTERS = (("decisions", "fak_routing_decisions", "Requests routed to the rank."),
                  ("failovers", "fak_routing_failovers", "Requests retried elsewhere after "
                   "failing on the rank before the first byte."),
+                 ("failures", "fak_routing_failures", "Requests that failed on the rank "
+                  "before the first byte, retried elsewhere or not."),
                  ("predicted_cached_tokens", "fak_routing_predicted_cached_tokens",
                   "Cached prompt tokens the router predicted for the rank."),
                  ("cached_tokens", "fak_routing_reported_cached_tokens",

@@ -400,15 +400,19 @@ class FleetDriver:
         member = decision.order[0]
         if decision.pending is not None:  # settled once the request is on its way: the
             asyncio.get_running_loop().call_soon(decision.settle)  # loop's next turn
-        try:
-            chunks, first = await self._open(member, request)
-        except EngineError as exc:
-            fallback = self._fallback(decision, member, exc)
-            if fallback is None:
-                raise
-            member.failovers += 1
-            member = fallback
-            chunks, first = await self._open(member, request)
+        tried: list[Member] = []
+        while True:
+            try:
+                chunks, first = await self._open(member, request)
+                break
+            except EngineError as exc:
+                tried.append(member)
+                fallback = self._fallback(decision, tried, exc)
+                member.note_failure(exc, fallback)
+                if fallback is None:
+                    raise
+                member.failovers += 1
+                member = fallback
         usage = first.usage
         try:
             yield first
@@ -446,17 +450,17 @@ class FleetDriver:
         return chunks, first
 
     @staticmethod
-    def _fallback(decision: Decision, failed: Member, exc: EngineError) -> Member | None:
-        """The next-best member for the one retry: on another upstream if the connection
-        was lost (its other ranks are gone too)."""
+    def _fallback(decision: Decision, tried: Sequence[Member], exc: EngineError
+                  ) -> Member | None:
+        """The next-best member not yet tried whose upstream is up (one whose connection
+        was lost is down by now, with all its ranks). After a 5xx answer one retry is all;
+        while it is the connection that fails (refused, connect timed out, broken), the
+        request goes on to each upstream that is up, once: it never reached an engine, or
+        the engine that had it is gone."""
         decision.settle()
-        if not retryable(exc):
+        if not retryable(exc) or (len(tried) > 1 and not connection_lost(exc)):
             return None
-        for member in decision.order[1:]:
-            if member.upstream.up and not (connection_lost(exc)
-                                           and member.upstream is failed.upstream):
-                return member
-        return None
+        return next((m for m in decision.order if m not in tried and m.upstream.up), None)
 
     # --- views ------------------------------------------------------------------------
 

@@ -2,18 +2,26 @@
 
 Invariants (`Upstream.check_integrity`): one Member per rank 0..data_parallel_size-1, each
 pointing back at its upstream; counters never negative; an upstream that is up has passed
-a probe since it was last down (`probed_at >= down_since`).
+a probe since it was last down (`probed_at >= down_since`); a member's failovers and
+logged failures never exceed its failures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adapters.vllm.http_driver import VLLMDriver
 from adapters.vllm.kv_subscriber import SyncState
+from adapters.vllm.upstream_errors import UPSTREAM_UNAVAILABLE, EngineNotReached
 from schemas.engine import EngineCapabilities, EngineError
+
+FAILURE_LOG_EVERY_S = 10.0
+
+log = logging.getLogger("fak.fleet")
 
 
 @dataclass(eq=False)
@@ -26,6 +34,10 @@ class Member:
     engine_load: float | None = None
     decisions: int = 0
     failovers: int = 0
+    failures: int = 0  # requests that failed here before their first byte, retried or not
+    last_failure: str | None = None
+    failures_logged: int = 0  # `failures` when the last warning was logged, and when
+    failure_logged_at: float = float("-inf")
     predictions: int = 0
     exact_predictions: int = 0
     predicted_tokens: int = 0
@@ -45,6 +57,21 @@ class Member:
         kv = self.upstream.driver.kv
         return None if kv is None else kv.state(self.rank)
 
+    def note_failure(self, exc: EngineError, fallback: Member | None) -> None:
+        """Count a failure before the first byte here and log it: at most one line per
+        member per FAILURE_LOG_EVERY_S (a dead or overloaded engine fails every request
+        sent to it), with how many failed since the last line."""
+        self.failures += 1
+        self.last_failure = exc.message
+        now = time.monotonic()
+        if now - self.failure_logged_at < FAILURE_LOG_EVERY_S:
+            return
+        log.warning("%d request(s) failed on %s before the first byte, the last with %d %s "
+                    "(%s)", self.failures - self.failures_logged, self.name, exc.status,
+                    exc.message, "not retried" if fallback is None else
+                    f"retried on {fallback.name}")
+        self.failures_logged, self.failure_logged_at = self.failures, now
+
     def record_prediction(self, predicted: int, actual: int | None) -> None:
         if actual is None:
             return
@@ -60,6 +87,7 @@ class Member:
                 "index_blocks": None if kv is None else len(kv.index(self.rank)),
                 "in_flight": self.in_flight, "engine_load": self.engine_load,
                 "decisions": self.decisions, "failovers": self.failovers,
+                "failures": self.failures, "last_failure": self.last_failure,
                 "predictions": self.predictions, "exact_predictions": self.exact_predictions,
                 "predicted_cached_tokens": self.predicted_tokens,
                 "cached_tokens": self.cached_tokens}
@@ -111,6 +139,7 @@ class Upstream:
         for m in self.members:
             assert m.upstream is self
             assert min(m.in_flight, m.decisions, m.predictions, m.failovers) >= 0
+            assert m.failovers <= m.failures and m.failures_logged <= m.failures
             assert m.exact_predictions <= m.predictions
         if self.up:
             assert self.probed_at is not None and self.probed_at >= self.down_since
@@ -122,5 +151,7 @@ def retryable(exc: EngineError) -> bool:
 
 
 def connection_lost(exc: EngineError) -> bool:
-    """The upstream could not be reached at all (502 from the transport)."""
-    return exc.status == 502 and exc.type == "UpstreamUnavailableError"
+    """The upstream could not be reached (refused, or the connect timed out) or its
+    connection broke (502 from the transport): its other ranks are gone too."""
+    return isinstance(exc, EngineNotReached) or (
+        exc.status == 502 and exc.type == UPSTREAM_UNAVAILABLE)

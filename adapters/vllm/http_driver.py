@@ -58,7 +58,13 @@ from .metrics import (
     serving_metrics,
 )
 from .sse import MalformedUpstreamError, SSEFramer, chunk_from_body, chunk_from_event_data
-from .upstream_errors import error_from_body, timed_out, unavailable
+from .upstream_errors import (
+    connect_failed,
+    connect_timed_out,
+    error_from_body,
+    timed_out,
+    unavailable,
+)
 from .urls import EngineURLs, ForbiddenURLError
 
 T = TypeVar("T")
@@ -544,7 +550,7 @@ async def _guarded(awaitable: Awaitable[T], deadline: float) -> T:
     """Await an upstream step by `deadline`, mapping transport failures to EngineError:
     every timeout is a 504 (a connect that timed out in the kernel too), every other
     transport failure a 502 — aiohttp's on the generation path, httpx's on the control
-    plane."""
+    plane; a connect that failed is an `EngineNotReached`."""
     try:
         async with asyncio.timeout_at(deadline):
             return await awaitable
@@ -557,10 +563,10 @@ async def _guarded(awaitable: Awaitable[T], deadline: float) -> T:
 def _mapped(exc: Exception) -> Exception:
     """`exc` as the EngineError `_guarded` describes (tested in this order), or itself."""
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return timed_out("connect timed out")
+        return connect_timed_out()
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return timed_out("connect timed out") if isinstance(exc.os_error, TimeoutError) \
-            else unavailable(type(exc).__name__)
+        return connect_timed_out() if isinstance(exc.os_error, TimeoutError) \
+            else connect_failed(type(exc).__name__)
     if isinstance(exc, TimeoutError):
         return timed_out("no answer within the configured timeout")
     if isinstance(exc, aiohttp.ClientError):
@@ -569,9 +575,11 @@ def _mapped(exc: Exception) -> Exception:
     if isinstance(exc, AnswerTooLarge):
         return unavailable(str(exc))
     if isinstance(exc, httpx.ConnectTimeout):
-        return timed_out("connect timed out")
+        return connect_timed_out()
     if isinstance(exc, httpx.TimeoutException):
         return timed_out(type(exc).__name__)
+    if isinstance(exc, httpx.ConnectError):
+        return connect_failed(type(exc).__name__)
     if isinstance(exc, httpx.TransportError):
         return unavailable(type(exc).__name__)
     return exc

@@ -4,7 +4,8 @@ vLLM ≥ 0.10.1 answers `{"error": {"message", "type", "param", "code"}}`; earli
 flat `{"object": "error", "message", "type", "param", "code"}` (docs/reference/vllm-surfaces.md
 §1.7). Both
 are passed through with the upstream status. Transport failures become 502 (refused, reset,
-broken stream) or 504 (timeouts), OpenAI-style.
+broken stream) or 504 (timeouts), OpenAI-style; a connect that was refused or timed out is
+an `EngineNotReached` (the request never reached the engine).
 """
 
 from __future__ import annotations
@@ -60,3 +61,18 @@ def unavailable(detail: str) -> EngineError:
 
 def timed_out(detail: str) -> EngineError:
     return EngineError(status=504, message=f"engine timed out: {detail}", type=UPSTREAM_TIMEOUT)
+
+
+class EngineNotReached(EngineError):
+    """The request never reached the engine: its connect was refused or timed out."""
+
+
+def connect_failed(detail: str) -> EngineError:
+    return EngineNotReached(
+        status=502, message=f"engine unavailable: {detail}", type=UPSTREAM_UNAVAILABLE
+    )
+
+
+def connect_timed_out() -> EngineError:
+    return EngineNotReached(status=504, message="engine timed out: connect timed out",
+                            type=UPSTREAM_TIMEOUT)

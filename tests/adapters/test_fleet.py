@@ -7,6 +7,7 @@ traffic."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 
@@ -15,17 +16,19 @@ import zmq.asyncio
 
 from adapters.fleet.driver import FleetConfig, FleetDriver
 from adapters.fleet.health import HealthConfig
-from adapters.fleet.state import Upstream
+from adapters.fleet.state import FAILURE_LOG_EVERY_S, Upstream
 from adapters.prompt_tokens import PromptTokens
 from adapters.vllm.capabilities import CapabilityRefusedError, VLLMDeclarations
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
 from policies.routing import RoutingPolicy
 from schemas.engine import EngineError, EngineRequest
+from tests.adapters.test_vllm_http_driver import unaccepting_listener
 from tests.adapters.test_vllm_kv_subscriber import FakeVLLMSockets, batch_frames, free_port
 from tests.adapters.vllm_imitation import Imitation, start_imitation
 
 FAST = HealthConfig(interval_s=0.05, backoff_max_s=0.2)
+SLOW = HealthConfig(interval_s=30.0, backoff_max_s=30.0)  # no check within a test's span
 BLOCK = 128  # the recorded server's block size
 
 
@@ -68,7 +71,8 @@ async def wait_for(predicate, timeout_s: float = 10.0) -> None:
     raise AssertionError("condition not reached")
 
 
-async def test_round_robin_then_failover_before_the_first_byte(servers) -> None:
+async def test_round_robin_then_failover_before_the_first_byte(
+        servers, caplog: pytest.LogCaptureFixture) -> None:
     (runner_a, url_a), (_, url_b) = await servers(Imitation()), await servers(Imitation())
     fleet = FleetDriver([upstream("a", url_a), upstream("b", url_b)],
                         FleetConfig(RoutingPolicy.ROUND_ROBIN, health=FAST))
@@ -78,14 +82,109 @@ async def test_round_robin_then_failover_before_the_first_byte(servers) -> None:
             assert await drain(fleet, completion(f"hello {i}"))
         assert [m.decisions for m in fleet.members] == [2, 2]
         await runner_a.cleanup()  # upstream a goes away
-        for i in range(4):  # none is lost: a refused connection goes to b before any byte
-            assert await drain(fleet, completion(f"again {i}"))
+        with caplog.at_level(logging.WARNING, "fak.fleet"):
+            for i in range(4):  # none is lost: a refused connection goes to b before any byte
+                assert await drain(fleet, completion(f"again {i}"))
         a, b = fleet.members
-        assert a.failovers == 1 and not fleet.upstream("a").up
-        assert b.decisions == 6 and a.in_flight == b.in_flight == 0
+        assert a.failovers == a.failures == 1 and not fleet.upstream("a").up
+        assert b.decisions == 6 and a.in_flight == b.in_flight == 0 and b.failures == 0
+        view = fleet.upstream_views()[0]["ranks"][0]
+        assert view["failures"] == 1 and view["last_failure"].startswith("engine unavailable")
+        assert [r.getMessage() for r in caplog.records if "before the first byte" in
+                r.getMessage()] == [f"1 request(s) failed on a/0 before the first byte, the "
+                                    f"last with 502 {a.last_failure} (retried on b/0)"]
         fleet.check_integrity()
     finally:
         await fleet.close()
+
+
+async def test_a_retry_that_fails_too_is_counted_and_raised(servers) -> None:
+    (runner_a, url_a), (runner_b, url_b) = (await servers(Imitation()),
+                                            await servers(Imitation()))
+    fleet = FleetDriver([upstream("a", url_a), upstream("b", url_b)],
+                        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=FAST))
+    await fleet.start()
+    try:
+        await runner_a.cleanup()
+        await runner_b.cleanup()  # both gone before the health checks notice
+        with pytest.raises(EngineError) as lost:
+            await drain(fleet, completion("x"))
+        assert lost.value.status == 502
+        a, b = fleet.members
+        assert (a.failures, a.failovers, b.failures, b.failovers) == (1, 1, 1, 0)
+        assert b.last_failure == lost.value.message
+        fleet.check_integrity()
+    finally:
+        await fleet.close()
+
+
+async def test_a_request_no_engine_had_goes_on_to_each_upstream_once(servers) -> None:
+    """Connect timed out on a, refused on b: c answers. Neither failure had reached an
+    engine, so one retry is not the limit."""
+    (runner_a, url_a), (runner_b, url_b), (_, url_c) = [
+        await servers(Imitation()) for _ in range(3)]
+    fleet = FleetDriver([Upstream(name, VLLMDriver(
+        VLLMHTTPConfig(url, connect_timeout_s=0.3, reprobe_interval_s=0.0),
+        VLLMDeclarations(prompt_tokens_details=True))) for name, url in
+        (("a", url_a), ("b", url_b), ("c", url_c))],
+        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=SLOW))
+    await fleet.start()
+    try:
+        await runner_a.cleanup()
+        await runner_b.cleanup()
+        with unaccepting_listener(int(url_a.rsplit(":", 1)[1])):
+            assert await drain(fleet, completion("x"))
+        a, b, c = fleet.members
+        assert (a.failures, a.failovers, b.failures, b.failovers) == (1, 1, 1, 1)
+        assert a.last_failure == "engine timed out: connect timed out"
+        assert b.last_failure.startswith("engine unavailable") and c.failures == 0
+        assert not fleet.upstream("a").up and not fleet.upstream("b").up
+        fleet.check_integrity()
+    finally:
+        await fleet.close()
+
+
+async def test_after_an_answered_5xx_one_retry_is_all(servers) -> None:
+    states = [Imitation() for _ in range(3)]
+    urls = [(await servers(state))[1] for state in states]
+    fleet = FleetDriver([upstream(name, url) for name, url in zip("abc", urls, strict=True)],
+                        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=SLOW))
+    await fleet.start()
+    try:  # a chat no imitation recorded: each answers 500
+        body = {"messages": [{"role": "user", "content": "unrecorded"}], "max_tokens": 1}
+        with pytest.raises(EngineError) as err:
+            await drain(fleet, EngineRequest.of("r", "chat", body, "t", "fak1-t"))
+        assert err.value.status == 500
+        asked = [sum(path == "/v1/chat/completions" for _, path, _, _ in state.received)
+                 for state in states]
+        assert asked == [1, 1, 0]
+        assert [(m.failures, m.failovers) for m in fleet.members] == [(1, 1), (1, 0), (0, 0)]
+        assert all(u.up for u in fleet.upstreams)
+        fleet.check_integrity()
+    finally:
+        await fleet.close()
+
+
+def test_failures_are_logged_at_most_once_per_member_per_interval(
+        caplog: pytest.LogCaptureFixture) -> None:
+    a = Upstream("a", VLLMDriver(VLLMHTTPConfig("http://127.0.0.1:9"), VLLMDeclarations()))
+    b = Upstream("b", VLLMDriver(VLLMHTTPConfig("http://127.0.0.1:9"), VLLMDeclarations()))
+    a0, b0 = a.members[0], b.members[0]
+    busy = EngineError(503, "engine overloaded", type="ServiceUnavailable")
+    with caplog.at_level(logging.WARNING, "fak.fleet"):
+        for _ in range(3):  # an engine that answers 503 stays up: every request fails there
+            a0.note_failure(busy, b0)
+        b0.note_failure(busy, None)  # another member has its own interval
+        a0.failure_logged_at -= FAILURE_LOG_EVERY_S
+        a0.note_failure(busy, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "1 request(s) failed on a/0 before the first byte, the last with 503 engine "
+        "overloaded (retried on b/0)",
+        "1 request(s) failed on b/0 before the first byte, the last with 503 engine "
+        "overloaded (not retried)",
+        "3 request(s) failed on a/0 before the first byte, the last with 503 engine "
+        "overloaded (not retried)"]
+    assert (a0.failures, a0.failures_logged, b0.failures) == (4, 4, 1)
 
 
 async def test_a_failure_after_the_first_byte_is_raised_not_retried(servers) -> None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from adapters.driver import EngineDriver
 from adapters.vllm import http_driver
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig, encode_body
+from adapters.vllm.upstream_errors import EngineNotReached
 from adapters.vllm.urls import PUBLIC_SURFACES
 from schemas.engine import OFF_LOOP_BYTES, EngineCapabilities, EngineError, EngineRequest
 from tests.adapters.vllm_imitation import (
@@ -213,7 +214,7 @@ async def test_refused_connection_is_a_502() -> None:
     try:
         with pytest.raises(EngineError) as err:
             await collect(driver, req({"model": "smollm2", "prompt": "x"}))
-        assert err.value.status == 502
+        assert err.value.status == 502 and isinstance(err.value, EngineNotReached)
         assert not await driver.ready()
     finally:
         await driver.close()
@@ -299,10 +300,12 @@ async def test_client_disconnect_closes_the_upstream_stream() -> None:
 
 
 @contextlib.contextmanager
-def unaccepting_listener():
-    """A loopback port whose accept queue is full: further connects hang in SYN_SENT."""
+def unaccepting_listener(port: int = 0):
+    """A loopback port (`port`, else a free one) whose accept queue is full: further
+    connects hang in SYN_SENT."""
     listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a server's old port
+    listener.bind(("127.0.0.1", port))
     listener.listen(0)
     port = listener.getsockname()[1]
     fillers = []
@@ -330,6 +333,7 @@ async def test_connect_timeout_is_a_504() -> None:
         finally:
             await driver.close()
     assert (err.value.status, err.value.message) == (504, "engine timed out: connect timed out")
+    assert isinstance(err.value, EngineNotReached)
 
 
 @pytest.mark.slow
@@ -342,6 +346,7 @@ async def test_engine_dying_mid_stream_is_a_502_after_the_chunks_so_far() -> Non
             async for chunk in driver.generate(req(body, route="chat", stream=True)):
                 got.append(chunk)
     assert err.value.status == 502 and err.value.type == "UpstreamUnavailableError"
+    assert not isinstance(err.value, EngineNotReached)  # the engine had the request
     assert len(got) == 2 and not any(c.done for c in got)
 
 
@@ -368,7 +373,7 @@ async def test_a_timeout_is_not_a_lost_connection() -> None:
         state.head_delay_s = 0.6
         with pytest.raises(EngineError) as err:
             await collect(driver, req({"model": "smollm2", "prompt": "x"}))
-        assert err.value.status == 504
+        assert err.value.status == 504 and not isinstance(err.value, EngineNotReached)
         state.head_delay_s = 0.0
         assert await collect(driver, req({"model": "smollm2", "prompt": "x"}))
         assert driver.probes == 1

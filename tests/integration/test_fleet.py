@@ -287,13 +287,12 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(fleet: Fleet) -
     c = fleet.natives["native-c"]
     member = fleet.driver.upstream("native-c").members[0]
 
-    async def burst() -> list[int]:
+    async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=300) as client:
-            async def one(i: int) -> int:
-                r = await client.post(f"{fleet.url}/v1/completions", json={
+            async def one(i: int) -> httpx.Response:
+                return await client.post(f"{fleet.url}/v1/completions", json={
                     "prompt": tokens(BLOCK), "max_tokens": 24, "ignore_eos": True},
                     headers={"Authorization": f"Bearer {KEYS['acme']}"})
-                return r.status_code
 
             tasks = [asyncio.create_task(one(i)) for i in range(8)]
             for _ in range(400):
@@ -304,9 +303,12 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(fleet: Fleet) -
             os.killpg(c.pid, signal.SIGKILL)  # mid-run, with requests on it
             return await asyncio.gather(*tasks)
 
-    statuses = fleet.thread.run(burst())
-    assert statuses == [200] * 8
+    answers = fleet.thread.run(burst())
+    assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
     assert member.failovers >= 1 and not fleet.driver.upstream("native-c").up
+    assert member.failures >= member.failovers and member.last_failure
+    labels = (("rank", "0"), ("upstream", "native-c"))
+    assert metric_samples(fleet)[("fak_routing_failures_total", labels)] == member.failures
 
 
 def test_a_restarted_replica_gets_traffic_only_after_its_reprobe(fleet: Fleet) -> None:
