@@ -401,13 +401,15 @@ class FleetDriver:
         if decision.pending is not None:  # settled once the request is on its way: the
             asyncio.get_running_loop().call_soon(decision.settle)  # loop's next turn
         tried: list[Member] = []
+        answered = 0  # 5xx answers among the failures
         while True:
             try:
                 chunks, first = await self._open(member, request)
                 break
             except EngineError as exc:
                 tried.append(member)
-                fallback = self._fallback(decision, tried, exc)
+                answered += not connection_lost(exc)
+                fallback = self._fallback(decision, tried, exc, answered)
                 member.note_failure(exc, fallback)
                 if fallback is None:
                     raise
@@ -450,15 +452,15 @@ class FleetDriver:
         return chunks, first
 
     @staticmethod
-    def _fallback(decision: Decision, tried: Sequence[Member], exc: EngineError
-                  ) -> Member | None:
+    def _fallback(decision: Decision, tried: Sequence[Member], exc: EngineError,
+                  answered: int) -> Member | None:
         """The next-best member not yet tried whose upstream is up (one whose connection
-        was lost is down by now, with all its ranks). After a 5xx answer one retry is all;
-        while it is the connection that fails (refused, connect timed out, broken), the
-        request goes on to each upstream that is up, once: it never reached an engine, or
-        the engine that had it is gone."""
+        was lost is down by now, with all its ranks). A failure of the connection (refused,
+        connect timed out, held back for a re-probe, broken) costs no engine anything —
+        it never reached one, or the one that had it is gone — so the request goes on to
+        each upstream that is up, once; `answered` 5xx answers get one retry between them."""
         decision.settle()
-        if not retryable(exc) or (len(tried) > 1 and not connection_lost(exc)):
+        if not retryable(exc) or answered > 1:
             return None
         return next((m for m in decision.order if m not in tried and m.upstream.up), None)
 

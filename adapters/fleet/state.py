@@ -151,7 +151,8 @@ def retryable(exc: EngineError) -> bool:
 
 
 def connection_lost(exc: EngineError) -> bool:
-    """The upstream could not be reached (refused, or the connect timed out) or its
-    connection broke (502 from the transport): its other ranks are gone too."""
+    """The upstream could not be reached (refused, the connect timed out, held back by
+    its driver until a re-probe passes) or its connection broke (502 from the transport):
+    its other ranks are gone too."""
     return isinstance(exc, EngineNotReached) or (
         exc.status == 502 and exc.type == UPSTREAM_UNAVAILABLE)

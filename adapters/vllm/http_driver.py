@@ -59,6 +59,7 @@ from .metrics import (
 )
 from .sse import MalformedUpstreamError, SSEFramer, chunk_from_body, chunk_from_event_data
 from .upstream_errors import (
+    EngineNotReached,
     connect_failed,
     connect_timed_out,
     error_from_body,
@@ -263,7 +264,7 @@ class VLLMDriver:
         self._needs_probe = True
 
     async def ensure_probed(self) -> None:
-        """Re-probe after a reconnect or restart; EngineError 503 while refused."""
+        """Re-probe after a reconnect or restart; EngineNotReached 503 while refused."""
         if self._given_capabilities is not None:
             return
         if self._kv_restart_count() != self._kv_restarts:
@@ -278,9 +279,9 @@ class VLLMDriver:
                     await self._probe()
                 except CapabilityRefusedError as exc:
                     self.refusal = str(exc)
-        if self._needs_probe:
-            raise EngineError(status=503, message=f"upstream refused on re-probe: "
-                              f"{self.refusal}", type="ServiceUnavailable")
+        if self._needs_probe:  # nothing was sent
+            raise EngineNotReached(status=503, message=f"upstream refused on re-probe: "
+                                   f"{self.refusal}", type="ServiceUnavailable")
 
     async def _probe_fak_control(self, control: FakCacheControlClient,
                                  capabilities: EngineCapabilities) -> EngineCapabilities:

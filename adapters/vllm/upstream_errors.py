@@ -64,7 +64,8 @@ def timed_out(detail: str) -> EngineError:
 
 
 class EngineNotReached(EngineError):
-    """The request never reached the engine: its connect was refused or timed out."""
+    """The request never reached the engine: its connect was refused or timed out, or the
+    driver held it back (the engine failed its re-probe)."""
 
 
 def connect_failed(detail: str) -> EngineError:

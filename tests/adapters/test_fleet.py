@@ -165,6 +165,31 @@ async def test_after_an_answered_5xx_one_retry_is_all(servers) -> None:
         await fleet.close()
 
 
+async def test_a_request_held_back_for_a_re_probe_is_not_an_answered_5xx(servers) -> None:
+    """a comes back as an xxhash server and is refused on its re-probe (the request held
+    back), b answers 500: the answered 500 still gets its one retry, on c."""
+    b_state = Imitation()
+    (runner_a, url_a), (_, url_b), (_, url_c) = [
+        await servers(state) for state in (Imitation(), b_state, Imitation())]
+    fleet = FleetDriver([upstream(name, url) for name, url in
+                         (("a", url_a), ("b", url_b), ("c", url_c))],
+                        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=SLOW))
+    await fleet.start()
+    try:
+        b_state.generation_error = 500  # once probed (a probe's request must get its 400)
+        await runner_a.cleanup()
+        await servers(Imitation(hash_algo="xxhash"), int(url_a.rsplit(":", 1)[1]))
+        fleet.upstream("a").driver.mark_reconnect()  # as after a lost connection
+        assert await drain(fleet, completion("x"))
+        a, b, c = fleet.members
+        assert a.last_failure.startswith("upstream refused on re-probe")
+        assert [(m.failures, m.failovers) for m in (a, b, c)] == [(1, 1), (1, 1), (0, 0)]
+        assert not fleet.upstream("a").up and fleet.upstream("b").up
+        fleet.check_integrity()
+    finally:
+        await fleet.close()
+
+
 def test_failures_are_logged_at_most_once_per_member_per_interval(
         caplog: pytest.LogCaptureFixture) -> None:
     a = Upstream("a", VLLMDriver(VLLMHTTPConfig("http://127.0.0.1:9"), VLLMDeclarations()))

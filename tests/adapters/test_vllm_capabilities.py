@@ -13,6 +13,7 @@ from adapters.vllm.capabilities import CapabilityRefusedError, VLLMDeclarations
 from adapters.vllm.dev_control import DevControlConfig, VLLMDevControl
 from adapters.vllm.http_driver import VLLMDriver, VLLMHTTPConfig
 from adapters.vllm.kv_subscriber import KVEventSubscriber, KVSubscriberConfig
+from adapters.vllm.upstream_errors import EngineNotReached
 from schemas.engine import Determinism, EngineError, EngineRequest
 from schemas.validate import validate
 from tests.adapters.test_vllm_kv_subscriber import FakeVLLMSockets, free_port
@@ -180,6 +181,7 @@ async def test_reconnect_reprobes_before_traffic() -> None:
         with pytest.raises(EngineError, match="xxhash") as refused:
             [c async for c in driver.generate(request)]
         assert refused.value.status == 503 and not await driver.ready()
+        assert isinstance(refused.value, EngineNotReached)  # held back, nothing was sent
         assert not any(p == "/v1/completions" and b.get("cache_salt") == "fak1-salt"
                        for _, p, _, b in weak.received)
         await runner.cleanup()

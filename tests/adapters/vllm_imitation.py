@@ -80,6 +80,7 @@ class Imitation:
     end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
     first_event_delay_s: float = 0.0  # between a stream's head and its first event
     metrics_edit: Callable[[str], str] | None = None  # applied to the recorded /metrics
+    generation_error: int | None = None  # every generation request answered this status
     received: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
     peers: list[Any] = field(default_factory=list)  # each request's client address
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -157,6 +158,8 @@ def build_app(state: Imitation) -> web.Application:
         body = await log_request(request)
         if state.head_delay_s:
             await asyncio.sleep(state.head_delay_s)
+        if state.generation_error is not None:
+            return state.error(state.generation_error, "imitated failure", "EngineError", None)
         if not isinstance(body, dict):
             return web.Response(status=400, text=BAD_JSON_BODY, content_type="application/json")
         salt = body.get("cache_salt")
