@@ -32,8 +32,10 @@ SLOW = HealthConfig(interval_s=30.0, backoff_max_s=30.0)  # no check within a te
 BLOCK = 128  # the recorded server's block size
 
 
-def upstream(name: str, base_url: str, kv: KVEventSubscriber | None = None) -> Upstream:
-    driver = VLLMDriver(VLLMHTTPConfig(base_url, reprobe_interval_s=0.0),
+def upstream(name: str, base_url: str, kv: KVEventSubscriber | None = None,
+             connect_timeout_s: float = 5.0) -> Upstream:
+    driver = VLLMDriver(VLLMHTTPConfig(base_url, connect_timeout_s=connect_timeout_s,
+                                       reprobe_interval_s=0.0),
                         VLLMDeclarations(prompt_tokens_details=True), kv=kv)
     return Upstream(name, driver)
 
@@ -123,11 +125,9 @@ async def test_a_request_no_engine_had_goes_on_to_each_upstream_once(servers) ->
     engine, so one retry is not the limit."""
     (runner_a, url_a), (runner_b, url_b), (_, url_c) = [
         await servers(Imitation()) for _ in range(3)]
-    fleet = FleetDriver([Upstream(name, VLLMDriver(
-        VLLMHTTPConfig(url, connect_timeout_s=0.3, reprobe_interval_s=0.0),
-        VLLMDeclarations(prompt_tokens_details=True))) for name, url in
-        (("a", url_a), ("b", url_b), ("c", url_c))],
-        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=SLOW))
+    fleet = FleetDriver([upstream(name, url, connect_timeout_s=0.3) for name, url in
+                         (("a", url_a), ("b", url_b), ("c", url_c))],
+                        FleetConfig(RoutingPolicy.ROUND_ROBIN, health=SLOW))
     await fleet.start()
     try:
         await runner_a.cleanup()
@@ -150,12 +150,14 @@ async def test_after_an_answered_5xx_one_retry_is_all(servers) -> None:
     fleet = FleetDriver([upstream(name, url) for name, url in zip("abc", urls, strict=True)],
                         FleetConfig(RoutingPolicy.ROUND_ROBIN, health=SLOW))
     await fleet.start()
-    try:  # a chat no imitation recorded: each answers 500
-        body = {"messages": [{"role": "user", "content": "unrecorded"}], "max_tokens": 1}
+    try:
+        for state in states:  # once probed (a probe's request must get its 400)
+            state.generation_error = 500
         with pytest.raises(EngineError) as err:
-            await drain(fleet, EngineRequest.of("r", "chat", body, "t", "fak1-t"))
+            await drain(fleet, completion("x"))
         assert err.value.status == 500
-        asked = [sum(path == "/v1/chat/completions" for _, path, _, _ in state.received)
+        asked = [sum(path == "/v1/completions" and isinstance(body, dict)
+                     and body.get("prompt") == "x" for _, path, _, body in state.received)
                  for state in states]
         assert asked == [1, 1, 0]
         assert [(m.failures, m.failovers) for m in fleet.members] == [(1, 1), (1, 0), (0, 0)]
@@ -192,9 +194,8 @@ async def test_a_request_held_back_for_a_re_probe_is_not_an_answered_5xx(servers
 
 def test_failures_are_logged_at_most_once_per_member_per_interval(
         caplog: pytest.LogCaptureFixture) -> None:
-    a = Upstream("a", VLLMDriver(VLLMHTTPConfig("http://127.0.0.1:9"), VLLMDeclarations()))
-    b = Upstream("b", VLLMDriver(VLLMHTTPConfig("http://127.0.0.1:9"), VLLMDeclarations()))
-    a0, b0 = a.members[0], b.members[0]
+    a0, b0 = upstream("a", "http://127.0.0.1:9").members[0], \
+        upstream("b", "http://127.0.0.1:9").members[0]
     busy = EngineError(503, "engine overloaded", type="ServiceUnavailable")
     with caplog.at_level(logging.WARNING, "fak.fleet"):
         for _ in range(3):  # an engine that answers 503 stays up: every request fails there
