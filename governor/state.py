@@ -115,6 +115,8 @@ class Governor:
 
     async def admit(self, ticket: Ticket) -> float:
         """Wait for the ticket's engine slot; returns the seconds waited."""
+        if ticket.granted.done():  # granted at `reserve`: nothing to wait for or time
+            return 0.0
         start = time.monotonic()
         try:
             await self.admission.wait(ticket)

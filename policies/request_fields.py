@@ -71,6 +71,9 @@ FEATURE_GROUPS: Mapping[str, frozenset[str]] = MappingProxyType({
 })
 GROUP_OF = MappingProxyType({name: group for group, names in FEATURE_GROUPS.items()
                              for name in names})
+# What a route forwards (or the governor replaces) without a decision: one set difference
+# clears a plain body.
+_PLAIN = MappingProxyType({route: known | GOVERNOR_FIELDS for route, known in ROUTE_FIELDS.items()})
 TEXT_PART = "text"
 # Content part type → the key of its URL (None: the part carries its data inline).
 MEDIA_PART_KEYS = MappingProxyType({"image_url": "url", "video_url": "url", "audio_url": "url",
@@ -133,11 +136,9 @@ def effective_max_tokens(requested: int | None, cap: int) -> int:
 def fields_to_drop(route: str, body: AnyRequest, rules: FieldRules) -> tuple[str, ...]:
     """Check every top-level field the client set; return the unknown ones to drop (in
     `drop` mode). Raises FieldRefused for a field the tenant may not use."""
-    known = ROUTE_FIELDS[route]
+    others = body.model_fields_set.union(body.extra_fields).difference(_PLAIN[route])
     drop = []
-    for name in sorted(body.set_fields):
-        if name in GOVERNOR_FIELDS or name in known:
-            continue
+    for name in sorted(others):
         group = GROUP_OF.get(name)
         if group is not None:
             if group not in rules.allow and not _harmless(name, body):

@@ -80,11 +80,14 @@ def _json_error(pos: int, reason: str) -> tuple[dict[str, Any], ...]:
              "ctx": {"error": reason}},)
 
 
+_CONTAINERS = (dict, list)  # a tuple: `dict | list` builds a union object at each test
+
+
 def check_json_values(value: Any, strings: bool = True) -> None:
     """Depth ≤ MAX_JSON_DEPTH and (with `strings`) no lone surrogate in any string or key
     (they cannot be encoded to UTF-8 again, so no engine could receive them). One pass,
     iterative; only containers are pushed."""
-    if not isinstance(value, dict | list):
+    if not isinstance(value, _CONTAINERS):
         if strings and isinstance(value, str):
             _check_text(value)
         return
@@ -99,7 +102,7 @@ def check_json_values(value: Any, strings: bool = True) -> None:
             for key in item:
                 _check_text(key)
         for child in children:
-            if isinstance(child, dict | list):
+            if isinstance(child, _CONTAINERS):
                 stack.append((child, depth + 1))
             elif strings and isinstance(child, str):
                 _check_text(child)

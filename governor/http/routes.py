@@ -12,7 +12,6 @@ log that cannot take it refuses the request.)
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -20,12 +19,15 @@ from aiohttp import web
 from governor.errors import GovernorError, unauthenticated
 from governor.http.common import GOVERNOR_KEY, read_body
 from governor.http.relay import Relay, relay_once, relay_stream
+from governor.request_ids import RequestIds
 from policies.salts import find_client_salt_headers
 from schemas.engine import OFF_LOOP_BYTES
 from schemas.openai import Route
 
 
 def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    request_ids = RequestIds()  # built with the app: in each worker process, after it starts
+
     async def handle(request: web.Request) -> web.StreamResponse:
         gov = request.app[GOVERNOR_KEY]
         tenant = gov.auth.tenant_for(request.headers.get("Authorization"))
@@ -36,7 +38,7 @@ def generation_handler(route: Route) -> Callable[[web.Request], Awaitable[web.St
         try:
             server = gov.config.server
             raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-            request_id = f"fak-{secrets.token_hex(16)}"  # 128 random bits, no UUID object
+            request_id = request_ids.next()
             if find_client_salt_headers(request.headers.keys()):  # audited before it is served
                 gov.metrics.client_salt_headers.labels(tenant.id).inc()
                 gov.audit_counters.note(tenant.id, "client_header_dropped")

@@ -3,8 +3,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from governor.admission import Admission, AdmissionRejected
+from governor.admission import Admission, AdmissionRejected, Ticket
 
 
 async def test_caps_and_class_order() -> None:
@@ -67,3 +69,56 @@ async def test_cancelled_waiter_leaves_no_trace() -> None:
     adm.release("a")
     assert adm.in_flight == 0 and adm.waiting == 0
     adm.check_integrity()
+
+
+async def test_a_free_slot_is_granted_at_once_only_when_nobody_waits() -> None:
+    adm = Admission(engine_slots=2, wait_s=5)
+    first = adm.reserve("a", cap=1, rank=0, max_queued=4)
+    assert first.granted.done() and adm.in_flight == 1  # granted in `reserve` itself
+    held = adm.reserve("a", cap=1, rank=0, max_queued=4)  # a's cap: it queues
+    assert not held.granted.done() and adm.waiting == 1
+    other = adm.reserve("b", cap=1, rank=1, max_queued=4)  # b is below its cap, a slot free
+    assert other.granted.done() and adm.in_flight == 2
+    adm.check_integrity()
+    adm.cancel(first)  # a's slot back: its waiter, not a newcomer, gets it
+    assert held.granted.done() and adm.waiting == 0
+    adm.cancel(held)
+    adm.cancel(other)
+    assert adm.in_flight == 0
+    adm.check_integrity()
+
+
+TENANTS = {"a": (1, 0), "b": (2, 1), "c": (3, 2)}  # name: (cap, rank)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.sampled_from(sorted(TENANTS)),
+                              st.integers(0, 7)), max_size=40))
+def test_admission_never_idles_a_slot_someone_may_take(
+        ops: list[tuple[bool, str, int]]) -> None:
+    """Random reserves and cancels on 3 slots: after each, the invariants hold and no live
+    waiter could take a free slot (its tenant below its cap)."""
+
+    async def run() -> None:
+        adm = Admission(engine_slots=3, wait_s=5)
+        tickets: list[Ticket] = []
+        for reserve, tenant, pick in ops:
+            if reserve or not tickets:
+                cap, rank = TENANTS[tenant]
+                tickets.append(adm.reserve(tenant, cap, rank, max_queued=8))
+            else:
+                adm.cancel(tickets.pop(pick % len(tickets)))
+            adm.check_integrity()
+            running = {name: sum(t.granted.done() and not t.cancelled and t.tenant == name
+                                 for t in tickets) for name in TENANTS}
+            assert sum(running.values()) == adm.in_flight
+            assert all(running[name] <= TENANTS[name][0] for name in TENANTS)
+            if adm.in_flight < adm.engine_slots:
+                assert not any(t.waiting and running[t.tenant] < TENANTS[t.tenant][0]
+                               for t in tickets)
+        for ticket in tickets:
+            adm.cancel(ticket)
+        assert adm.in_flight == 0 and adm.waiting == 0
+        adm.check_integrity()
+
+    asyncio.run(run())

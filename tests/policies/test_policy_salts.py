@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 import struct
+from types import MappingProxyType
 
 import pytest
 from hypothesis import given, settings
@@ -237,3 +238,34 @@ def test_strip_leaves_nothing_to_find(body: dict) -> None:
 def test_client_salt_headers_case_insensitive() -> None:
     names = ["Authorization", "X-Tenant-Id", "x-cache-salt", "Content-Type"]
     assert find_client_salt_headers(names) == ("X-Tenant-Id", "x-cache-salt")
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.dictionaries(
+    st.sampled_from(["model", "prompt", "Cache_Salt", "NVEXT", "Extra_Body", "vllm_xargs"])
+    | st.text(max_size=12), json_value, max_size=5))
+def test_a_dict_body_and_the_same_mapping_read_alike(body: dict) -> None:
+    """A dict whose top-level keys name no salt or container is cleared at once; any other
+    mapping is always scanned. Both must give the same answer."""
+    view = MappingProxyType(body)
+    assert strip_client_salts(body) == strip_client_salts(view)
+    assert find_client_salts(body) == find_client_salts(view)
+
+
+def test_a_cleared_body_is_still_a_new_dict() -> None:
+    body = {"model": "m", "prompt": "p"}
+    stripped, found = strip_client_salts(body)
+    assert found == () and stripped == body and stripped is not body
+    stripped["cache_salt"] = "x"
+    assert "cache_salt" not in body
+
+
+def test_a_body_with_a_key_that_is_no_string_is_scanned() -> None:
+    body = {1: "one", "Cache_Salt": "x"}
+    assert [f.dotted for f in find_client_salts(body)] == ["Cache_Salt"]  # type: ignore[arg-type]
+    assert strip_client_salts(body)[0] == {1: "one"}  # type: ignore[arg-type]
+
+
+def test_client_salt_headers_from_a_one_pass_iterable() -> None:
+    assert find_client_salt_headers(iter(["Host", "Content-Type"])) == ()
+    assert find_client_salt_headers(iter(["Host", "X-KV-Namespace"])) == ("X-KV-Namespace",)
