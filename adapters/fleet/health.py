@@ -82,8 +82,6 @@ class HealthWatch:
                 log.info("upstream %s is up (probed)", upstream.name)
                 upstream.mark_up(now)
             return True
-        if was_up:
-            log.warning("upstream %s is down: %s", upstream.name, reason)
         upstream.mark_down(now, reason)
         return False
 

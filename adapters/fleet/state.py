@@ -112,8 +112,11 @@ class Upstream:
         self.members = [Member(self, rank) for rank in range(self.data_parallel_size)]
 
     def mark_down(self, now: float, reason: str | None = None) -> None:
+        """Down (its driver re-probes before its next request); logged once per outage,
+        by whichever path saw it first: a health check or a request's lost connection."""
         if self.up:
             self.down_since = now
+            log.warning("upstream %s is down: %s", self.name, reason or self.refusal)
         self.up = False
         self.refusal = reason or self.refusal
         self.driver.mark_reconnect()

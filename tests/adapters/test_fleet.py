@@ -95,6 +95,10 @@ async def test_round_robin_then_failover_before_the_first_byte(
         assert [r.getMessage() for r in caplog.records if "before the first byte" in
                 r.getMessage()] == [f"1 request(s) failed on a/0 before the first byte, the "
                                     f"last with 502 {a.last_failure} (retried on b/0)"]
+        with caplog.at_level(logging.WARNING, "fak.fleet"):
+            await asyncio.sleep(4 * FAST.interval_s)  # the health checks find a down: no more
+        assert [r.getMessage() for r in caplog.records if "is down" in r.getMessage()] == \
+            [f"upstream a is down: {a.last_failure}"]  # one line, from the request's path
         fleet.check_integrity()
     finally:
         await fleet.close()
