@@ -211,8 +211,8 @@ def strip_client_salts(
 
 def _nothing_searched(body: Mapping[str, Any]) -> bool:
     """Whether no top-level key is a salt or a container: the common body, cleared by one
-    set operation (0.6 µs against the scan's 1.8 for a plain completion body). Anything but a dict of string
-    keys is left to `_scan`."""
+    set operation (0.6 µs against the scan's 1.8 for a plain completion body). Anything
+    but a dict of string keys is left to `_scan`."""
     if not isinstance(body, dict):
         return False
     try:
