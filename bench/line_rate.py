@@ -16,9 +16,11 @@ Arms, interleaved (the order rotates every rep), medians over reps:
   NAME              fak serve from another checkout (with --fak-arm NAME=PATH, e.g. the
                     main branch's worktree: before and after a change in one run)
 
-Added latency is fak's p50 (or p99) minus direct's, paired per rep, then the median. CPU
-time per request is charged to each arm's processes, the upstream and wrk: on a machine
-where they share the cores, cores / their sum bounds the req/s any arm can reach.
+Added latency is fak's p50 (or p99) minus direct's, paired per rep, then the median; fak
+beside another tree (NAME) is its req/s and CPU per request over NAME's, rep by rep, the
+median ratio with the reps' range (a range holding 1.0 is not resolved). CPU time per
+request is charged to each arm's processes, the upstream and wrk: on a machine where they
+share the cores, cores / their sum bounds the req/s any arm can reach.
 Run it under the bench lock, as every measurement here:
 
     flock /tmp/fak-bench.lock .venv/bin/python bench/line_rate.py [--reps 3] [--duration 5]
@@ -347,6 +349,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"\nrequests: {what}")
         report(results, names, args.concurrency,
                [n for n in names if n == "fak" or n in args.fak_roots or n.startswith("fak-w")])
+        for other in args.fak_roots:
+            if "fak" in names and other != "fak":
+                print(f"\nfak against {other} (paired per rep):")
+                for line in paired_ratios(results, args.concurrency, "fak", other):
+                    print("  " + line)
     print(f"load average at the end {load_average()}")
 
 
@@ -386,6 +393,30 @@ def report(results: dict[tuple[str, int], list[WrkResult]], names: list[str],
             p99 = statistics.median(f.p99_ms - d.p99_ms for d, f in pairs)
             rps = statistics.median(r.rps for r in results[(gov, c)])
             print(f"  c={c}: {rps:,.0f} req/s; added p50 {p50:.2f} ms, added p99 {p99:.2f} ms")
+
+
+def paired_ratios(results: dict[tuple[str, int], list[WrkResult]], levels: list[int],
+                  arm: str, other: str) -> list[str]:
+    """Per level, `arm` over `other` rep by rep (the two ran back to back within each rep,
+    their order rotating): the median ratio of req/s and of CPU per request, with the
+    reps' range. A range that holds 1.0 is a difference the run does not resolve."""
+    lines = []
+    for c in levels:
+        pairs = list(zip(results[(arm, c)], results[(other, c)], strict=True))
+        rps = [a.rps / b.rps for a, b in pairs if b.rps]
+        if not rps:
+            lines.append(f"c={c}: {other} answered nothing")
+            continue
+        cpu = [a.cpu_us / b.cpu_us for a, b in pairs if a.cpu_us and b.cpu_us]
+        line = f"c={c}: req/s {_ratio(rps)}"
+        if cpu:
+            line += f", CPU per request {_ratio(cpu)}"
+        lines.append(line + f" over {len(pairs)} reps")
+    return lines
+
+
+def _ratio(values: list[float]) -> str:
+    return f"×{statistics.median(values):.3f} ({min(values):.3f}–{max(values):.3f})"
 
 
 def main(argv: list[str] | None = None) -> None:
