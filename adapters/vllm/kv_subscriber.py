@@ -47,6 +47,7 @@ from policies.kv_sockets import offset_endpoint_port
 from schemas.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from schemas.values import is_int
 
+from .capabilities import CapabilityRefusedError
 from .kv_decode import KVDecodeError, decode_message, decode_replay_reply
 from .kv_endpoints import local_dial, local_side
 from .shadow_index import DEFAULT_CAPACITY, ShadowIndex
@@ -54,6 +55,12 @@ from .shadow_index import DEFAULT_CAPACITY, ShadowIndex
 log = logging.getLogger(__name__)
 
 PROBE_START_SEQ = (1 << 63) - 1  # above any buffered seq: the ROUTER answers the end marker only
+
+
+class KVEndpointError(CapabilityRefusedError):
+    """A configured KV-event endpoint could not be bound or dialled (a port in use, a bad
+    address): the events the isolation evidence rests on cannot arrive, so start-up is
+    refused in one line."""
 
 
 class SyncState(enum.StrEnum):
@@ -209,10 +216,16 @@ class KVEventSubscriber:
         monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         for rank in self._ranks:
             side, address = self.config.sub_side(rank)
-            if side == "bind":
-                sub.bind(address)
-            else:
-                sub.connect(address)
+            try:
+                if side == "bind":
+                    sub.bind(address)
+                else:
+                    sub.connect(address)
+            except zmq.ZMQError as exc:
+                sub.disable_monitor()
+                monitor.close(linger=0)
+                sub.close(linger=0)
+                raise KVEndpointError(f"KV events: cannot {side} {address}: {exc}") from None
             self._endpoint_rank[sub.getsockopt_string(zmq.LAST_ENDPOINT)] = rank
             self._endpoint_rank[address] = rank
         self._sub = sub

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -62,3 +63,26 @@ async def test_fak_serve_refuses_a_kv_endpoint_off_loopback(tmp_path: Path) -> N
     lines = err.decode().strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, lines
     assert "every interface" in lines[0] and "allow_remote_kv" in lines[0]
+
+
+@pytest.mark.slow
+async def test_fak_serve_refuses_a_kv_endpoint_it_cannot_bind(tmp_path: Path) -> None:
+    """A KV-event address already taken refuses start-up in one line naming it, not a
+    traceback (the subscriber binds `tcp://127.0.0.1:P`; a socket here holds P)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        config = tmp_path / "fak.toml"
+        write_config(config, {}, {"kind": "vllm", "base_url": "http://127.0.0.1:9",
+                                  "kv_events": endpoint}, {"k-a": {"id": "a"}}, "admin-token")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "governor.cli", "serve", "--config", str(config), "--port",
+            "0", "--metrics-port", "0", "--data-dir", str(tmp_path / "data"), "--init-key",
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 120)
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("fak: upstream refused: KV events: cannot bind "), lines
+    assert endpoint in lines[0] and "in use" in lines[0]
