@@ -10,7 +10,11 @@ Arms, interleaved (the order rotates every rep), medians over reps:
   aiohttp-httpx     wrk → a bare aiohttp server with an httpx client → upstream
   aiohttp-aiohttp   wrk → a bare aiohttp server with an aiohttp client → upstream (a
                     stream's bytes relayed as they are read)
-  litellm           wrk → LiteLLM's proxy → upstream (only with --litellm-bin)
+  litellm           wrk → LiteLLM's proxy → upstream (only with --litellm-bin). LiteLLM is
+                    no dependency of fak; in a venv of its own:
+                      python3 -m venv /tmp/litellm
+                      /tmp/litellm/bin/pip install 'litellm[proxy]==1.108.7'
+                    then --litellm-bin /tmp/litellm/bin/litellm
   fak-wN            wrk → fak serve --workers N → upstream (postgres state: $FAK_STATE_DSN)
   aiohttp-aiohttp-wN  the bare aiohttp proxy in N processes on one port (SO_REUSEPORT)
   NAME              fak serve from another checkout (with --fak-arm NAME=PATH, e.g. the
