@@ -174,8 +174,13 @@ async def run_governor(gov: Governor, server: ServerConfig,
     the shared port, telling the parent once serving and stopping when the parent is gone."""
     await start_driver(gov.driver)
     listeners = GovernorServer(gov)
-    await listeners.start(server.host, server.port, server.metrics_host,
-                          server.metrics_listen_port, reuse_port=worker is not None)
+    try:
+        await listeners.start(server.host, server.port, server.metrics_host,
+                              server.metrics_listen_port, reuse_port=worker is not None)
+    except StartupRefused:  # a port in use: what was opened is closed, the audit log too
+        await gov.driver.close()
+        await close_audit(gov)
+        raise
     settle_collector()
     name = "" if worker is None else f"worker {worker.index} (pid {os.getpid()}) "
     print(f"fak: {name}serving on {listeners.url} (metrics on {listeners.metrics_url})",

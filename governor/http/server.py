@@ -5,12 +5,14 @@ timer that scrapes the engine's serving metrics."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 from aiohttp import web
 
 from governor.http.app import build_app, build_metrics_app
 from governor.http.listener import ListenerGuard, start_guarded_site, stop_site
 from governor.http.metrics_routes import ServingMetricsRefresher
+from governor.secrets import StartupRefused
 from governor.state import Governor
 
 
@@ -33,7 +35,9 @@ class GovernorServer:
     async def start(self, host: str, port: int, metrics_host: str, metrics_port: int,
                     reuse_port: bool = False) -> None:
         """Bind both ports (0: any free port); `url` and `metrics_url` say where.
-        `reuse_port`: the tenant port is shared with other workers (SO_REUSEPORT)."""
+        `reuse_port`: the tenant port is shared with other workers (SO_REUSEPORT). A port
+        that cannot be bound (in use, not permitted) refuses start-up in one line, with
+        whatever had started stopped."""
         server = self.gov.config.server
         main = web.AppRunner(build_app(self.gov, self.guard), handler_cancellation=True,
                              keepalive_timeout=server.keepalive_timeout_s,
@@ -42,11 +46,18 @@ class GovernorServer:
         for runner in (main, metrics):
             await runner.setup()
             self._runners.append(runner)
-        listener = await start_guarded_site(main, self.guard, host, port, reuse_port)
-        self._listeners.append(listener)
-        self.url = _url(listener)
-        site = web.TCPSite(metrics, metrics_host, metrics_port)
-        await site.start()
+        try:
+            listener = await start_guarded_site(main, self.guard, host, port, reuse_port)
+            self._listeners.append(listener)
+            self.url = _url(listener)
+            host, port = metrics_host, metrics_port
+            await web.TCPSite(metrics, host, port).start()
+        except OSError as exc:
+            what = "metrics port" if self.url else "port"
+            await self.stop()
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise StartupRefused(f"cannot listen on the {what} {host}:{port}: {reason}"
+                                 ) from None
         host, port = metrics.addresses[0][:2]
         self.metrics_url = f"http://{host}:{port}"
         self.refresher.start()
