@@ -36,6 +36,23 @@ from schemas.values import is_int
 log = logging.getLogger(__name__)
 
 
+class PublisherSocketError(RuntimeError):
+    """A KV-event socket could not be bound or connected (a port in use, say)."""
+
+
+def _attach(sock: zmq.Socket[bytes], address: str, bind: bool) -> None:
+    """Bind or connect `sock`; a failure names the address and why, in one line."""
+    try:
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except zmq.ZMQError as exc:
+        side = "bind" if bind else "connect"
+        reason = zmq.strerror(exc.errno) if exc.errno else str(exc)
+        raise PublisherSocketError(f"KV events: cannot {side} {address}: {reason}") from None
+
+
 class ZmqEventPublisher:
     """PUB (+ optional ROUTER replay) publisher; see the module docstring for the wire.
 
@@ -84,10 +101,7 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.sndhwm = self.config.hwm
         self._pub.ipv6 = "[" in address
-        if endpoint_binds(endpoint):
-            self._pub.bind(address)
-        else:
-            self._pub.connect(address)
+        _attach(self._pub, address, endpoint_binds(endpoint))
         if self.config.replay_endpoint is not None:
             replay = offset_endpoint_port(self.config.replay_endpoint, self.data_parallel_rank)
             replay_address = self.config.socket_address(replay, "replay ROUTER", binds=True)
@@ -95,7 +109,7 @@ class ZmqEventPublisher:
             # A ROUTER silently drops past its HWM: leave room for one whole replay.
             self._replay.sndhwm = self.config.buffer_steps + 2
             self._replay.ipv6 = "[" in replay_address
-            self._replay.bind(replay_address)
+            _attach(self._replay, replay_address, True)
 
     def _close_sockets(self) -> None:
         if self._pub is not None:

@@ -46,6 +46,7 @@ from native_engine.engine import LLMEngine
 from native_engine.kvcache.events import EventPublisher
 from native_engine.serve.control_routes import TOKEN_ENV, CacheControlRoutes
 from native_engine.serve.kv_config import KVEventsConfig
+from native_engine.serve.kv_publisher import PublisherSocketError
 from native_engine.serve.metrics import ServerMetrics
 from native_engine.serve.openai_api import parse_json, validate_body
 from native_engine.serve.openai_serving import OpenAIServing
@@ -66,6 +67,10 @@ log = logging.getLogger("fak.engine.serve")
 EMBEDDED_MODEL_NAME = "smollm2"
 EMBEDDED_MODEL_ROOT = "embedded:SmolLM2-135M-Instruct"
 MAX_BODY_BYTES = 32 << 20
+
+
+class ListenRefused(RuntimeError):
+    """The HTTP port could not be bound (in use, not permitted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,10 +378,14 @@ async def start_server(config: ServerConfig) -> RunningServer:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
-    except BaseException:
+    except BaseException as exc:
         await runner.cleanup()
         for rank in server.ranks:
             await rank.close()
+        if isinstance(exc, OSError):  # the port: in use, not permitted
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ListenRefused(f"cannot listen on {config.host}:{config.port}: {reason}"
+                                ) from None
         raise
     host, port = runner.addresses[0][:2]
     return RunningServer(config, f"http://{host}:{port}", server.ranks, runner)
@@ -466,7 +475,8 @@ def _cache_control_token(enabled: bool) -> str | None:
 
 
 def cmd_engine_serve(args: argparse.Namespace) -> int:
-    """`fak engine serve`: run until SIGINT/SIGTERM; 2 on a bad configuration."""
+    """`fak engine serve`: run until SIGINT/SIGTERM; 2 on a bad configuration or a port
+    (HTTP or KV events) it cannot have."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     try:
@@ -482,6 +492,9 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
         loop.run_until_complete(main_task)
     except asyncio.CancelledError:
         pass
+    except (ListenRefused, PublisherSocketError) as exc:
+        print(f"fak engine serve: {exc}", file=sys.stderr)
+        return 2
     finally:
         loop.close()
     return 0

@@ -33,7 +33,11 @@ from native_engine.kvcache.block_pool import BlockPool
 from native_engine.kvcache.events import KVEventRecorder, NullEventPublisher
 from native_engine.kvcache.radix_cache import RadixCache
 from native_engine.serve.kv_config import KVEventsConfig, endpoint_binds
-from native_engine.serve.kv_publisher import ZmqEventPublisher, make_publisher
+from native_engine.serve.kv_publisher import (
+    PublisherSocketError,
+    ZmqEventPublisher,
+    make_publisher,
+)
 from native_engine.serve.kv_wire import END_SEQ, encode_batch, encode_event
 from policies.kv_sockets import offset_endpoint_port
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -376,7 +380,7 @@ def test_bind_conflict_raises_at_construction() -> None:
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*")
     with ZmqEventPublisher(cfg) as first:
         taken = first.pub_address.replace("127.0.0.1", "*")
-        with pytest.raises(zmq.ZMQError):
+        with pytest.raises(PublisherSocketError, match=r"cannot bind .*: Address already in use"):
             ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=taken))
 
 
