@@ -225,7 +225,8 @@ class KVEventSubscriber:
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
-                raise KVEndpointError(f"KV events: cannot {side} {address}: {exc}") from None
+                reason = zmq.strerror(exc.errno) if exc.errno else str(exc)
+                raise KVEndpointError(f"KV events: cannot {side} {address}: {reason}") from None
             self._endpoint_rank[sub.getsockopt_string(zmq.LAST_ENDPOINT)] = rank
             self._endpoint_rank[address] = rank
         self._sub = sub

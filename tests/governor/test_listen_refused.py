@@ -15,12 +15,7 @@ import pytest
 from governor.audit.verify import verify
 from tests.adapters.vllm_imitation import Imitation, start_imitation
 from tests.governor.fak_serve_process import REPO_ROOT, write_config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.governor.server_thread import free_port
 
 
 @pytest.mark.slow

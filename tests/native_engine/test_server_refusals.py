@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from tests.governor.server_thread import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,12 +22,6 @@ def engine_serve(*args: str) -> tuple[int, list[str]]:
     proc = subprocess.run([sys.executable, "-m", "native_engine.serve.server", *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stderr.strip().splitlines()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow
