@@ -176,8 +176,11 @@ class _SigtermAsSigint:
     started is stopped rather than left serving.
 
     It calls whatever handles SIGINT at that moment: inside `asyncio.run` that handler
-    cancels the main task, so the exception never lands in another task mid-write;
-    outside, Python's default raises KeyboardInterrupt where the run is."""
+    cancels the main task, so the exception never lands in another task mid-write. Where
+    SIGINT is ignored (a job a non-interactive shell put in the background) or left to the
+    OS, `asyncio.run` installs no handler: the event loop then raises KeyboardInterrupt
+    itself, from a callback between task steps, and `asyncio.run` cancels every task. With
+    no loop running, KeyboardInterrupt is raised where the run is."""
 
     def __init__(self) -> None:
         self.received = False
@@ -187,8 +190,16 @@ class _SigtermAsSigint:
         on_sigint = signal.getsignal(signal.SIGINT)
         if callable(on_sigint):
             on_sigint(signal.SIGINT, frame)
-        else:  # SIGINT ignored or default: nothing of Python's to borrow
-            raise KeyboardInterrupt
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise KeyboardInterrupt from None
+        loop.call_soon_threadsafe(_interrupt)
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

@@ -216,7 +216,19 @@ def test_a_terminated_overhead_run_stops_its_governor(tmp_path: Path) -> None:
         HTTP.get(governor + "/ready")
 
 
-def test_sigterm_inside_a_task_cancels_the_run_and_fails_no_task() -> None:
+@pytest.fixture(params=["default", "ignored"])
+def sigint(request: pytest.FixtureRequest) -> Iterator[str]:
+    """SIGINT as Python installs it, or ignored: a job that a non-interactive shell starts
+    in the background (`cmd &`) inherits SIGINT ignored, and then `asyncio.run` installs
+    no handler for it."""
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler if request.param == "default"
+                  else signal.SIG_IGN)
+    yield request.param
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_sigterm_inside_a_task_cancels_the_run_and_fails_no_task(sigint: str) -> None:
     """SIGTERM handled while another task runs (mid-write, as CI saw it): the main task is
     cancelled and unwinds; the busy task is cancelled, not left holding an exception that
     asyncio later prints as 'Task exception was never retrieved'."""
@@ -240,6 +252,13 @@ def test_sigterm_inside_a_task_cancels_the_run_and_fails_no_task() -> None:
     assert sigterm.received and seen["unwound"]
     assert isinstance(task, asyncio.Task) and task.cancelled()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_with_no_loop_running_raises_where_the_run_is(sigint: str) -> None:
+    with _sigterm_interrupts() as sigterm, pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGTERM)
+        sum(range(200_000))  # the handler runs by here
+    assert sigterm.received
 
 
 def _governor_of(bench: subprocess.Popen[str], log: Path) -> str:
