@@ -46,20 +46,19 @@ class GovernorServer:
         for runner in (main, metrics):
             await runner.setup()
             self._runners.append(runner)
+        binding = f"port {host}:{port}"  # the one being bound, for a refusal
         try:
             listener = await start_guarded_site(main, self.guard, host, port, reuse_port)
             self._listeners.append(listener)
             self.url = _url(listener)
-            host, port = metrics_host, metrics_port
-            await web.TCPSite(metrics, host, port).start()
+            binding = f"metrics port {metrics_host}:{metrics_port}"
+            await web.TCPSite(metrics, metrics_host, metrics_port).start()
         except OSError as exc:
-            what = "metrics port" if self.url else "port"
             await self.stop()
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise StartupRefused(f"cannot listen on the {what} {host}:{port}: {reason}"
-                                 ) from None
-        host, port = metrics.addresses[0][:2]
-        self.metrics_url = f"http://{host}:{port}"
+            raise StartupRefused(f"cannot listen on the {binding}: {reason}") from None
+        bound_host, bound_port = metrics.addresses[0][:2]
+        self.metrics_url = f"http://{bound_host}:{bound_port}"
         self.refresher.start()
 
     async def stop(self) -> None:
