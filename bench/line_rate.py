@@ -17,6 +17,8 @@ Arms, interleaved (the order rotates every rep), medians over reps:
                     then --litellm-bin /tmp/litellm/bin/litellm
   fak-wN            wrk → fak serve --workers N → upstream (postgres state: $FAK_STATE_DSN)
   aiohttp-aiohttp-wN  the bare aiohttp proxy in N processes on one port (SO_REUSEPORT)
+  tcp-relay         wrk → a byte relay on uvloop → upstream: one more process hop and no
+                    HTTP read at all, the least any proxy on this machine can add
   NAME              fak serve from another checkout (with --fak-arm NAME=PATH, e.g. the
                     main branch's worktree: before and after a change in one run)
 
@@ -276,6 +278,35 @@ def serve_bare_proxy(client: str, port: int, upstream: str, processes: int = 1) 
                 reuse_port=processes != 1)
 
 
+def serve_tcp_relay(port: int, upstream: str) -> None:
+    """Each connection piped byte for byte to a connection of its own to the upstream, both
+    ways, nothing parsed: the hop without the proxy."""
+    import asyncio
+
+    import uvloop
+
+    address = httpx.URL(upstream)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def relay(client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
+        upstream_in, upstream_out = await asyncio.open_connection(address.host, address.port)
+        with contextlib.suppress(ConnectionError):
+            await asyncio.gather(pipe(client_in, upstream_out), pipe(upstream_in, client_out))
+
+    async def serve() -> None:
+        server = await asyncio.start_server(relay, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(serve())
+
+
 # -- the run --------------------------------------------------------------------------------------
 
 
@@ -304,6 +335,10 @@ def start_arms(stack: contextlib.ExitStack, tmp: Path, upstream: str,
             client = name.split("-")[1]
             cmd = [py, __file__, "proxy", client, str(port), upstream,
                    workers[2] if workers else "1"]
+            pid = stack.enter_context(process([*under, *cmd], base + "/health",
+                                              ready_timeout_s=ready_timeout_s))
+        elif name == "tcp-relay":
+            cmd = [py, __file__, "relay", str(port), upstream]
             pid = stack.enter_context(process([*under, *cmd], base + "/health",
                                               ready_timeout_s=ready_timeout_s))
         elif name == "litellm":
@@ -428,6 +463,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["proxy"]:
         client, port, upstream = argv[1], int(argv[2]), argv[3]
         serve_bare_proxy(client, port, upstream, int(argv[4]) if len(argv) > 4 else 1)
+        return
+    if argv[:1] == ["relay"]:
+        serve_tcp_relay(int(argv[1]), argv[2])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--upstream-url", help="an engine already running (default: start "
