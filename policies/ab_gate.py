@@ -94,7 +94,8 @@ class PromptHistory:
 @dataclass(frozen=True, slots=True)
 class ArmRunFacts:
     """What one arm's measured blocks showed. `cached_beyond_bound`: requests that reported
-    more cached tokens than `PromptHistory.bound` allowed."""
+    more cached tokens than `PromptHistory.bound` allowed; `first_error`: what the first
+    failed request said (empty when none failed)."""
 
     arm: str
     completed: int
@@ -102,6 +103,7 @@ class ArmRunFacts:
     output_tokens: int
     cached_beyond_bound: int
     output_throughput_cv: float | None
+    first_error: str = ""
 
     def __post_init__(self) -> None:
         for name in ("completed", "failed", "output_tokens", "cached_beyond_bound"):
@@ -125,7 +127,8 @@ def run_reasons(facts: Sequence[ArmRunFacts], config: ABGateConfig) -> list[str]
                            f"prompt tokens this run had not sent (the prefix cache was not "
                            f"cold at start)")
         if f.failed > config.max_failed:
-            reasons.append(f"arm {f.arm!r}: {f.failed} failed request(s)")
+            first = f", the first: {' '.join(f.first_error.split())}" if f.first_error else ""
+            reasons.append(f"arm {f.arm!r}: {f.failed} failed request(s){first}")
         if f.output_throughput_cv is not None and f.output_throughput_cv > config.max_cv:
             reasons.append(f"arm {f.arm!r}: output throughput CV {f.output_throughput_cv:.1%} "
                            f"over blocks exceeds {config.max_cv:.0%}")

@@ -172,7 +172,8 @@ def compare_pair(run: LevelRun, a: ArmHandle, b: ArmHandle,
     drift = block_ratios(blocks_a, blocks_b, metric)
     facts = [ArmRunFacts(n, results[n].completed, results[n].failed,
                          results[n].output_tokens, results[n].cached_beyond_bound,
-                         results[n].output_throughput_cv) for n in (a.name, b.name)]
+                         results[n].output_throughput_cv, next(iter(results[n].errors), ""))
+             for n in (a.name, b.name)]
     warm = [ArmWarmState(n, states[n]) for n in (a.name, b.name)]
     decision = decide(warm, facts, {f"{b.name}/{a.name}": drift}, gate)
     return PairResult(a.name, b.name, intervals, drift, decision)

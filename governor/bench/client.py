@@ -24,6 +24,10 @@ import aiohttp
 from governor.bench.workloads import PlannedRequest
 
 ERROR_CHARS = 300
+# An idle pooled connection is dropped after this long, before the engine's own idle timeout
+# (uvicorn's 5 s under vLLM) can close it as a block's first requests are sent on it: an
+# arm left idle while the others ran lost them as "Server disconnected".
+KEEPALIVE_S = 4.0
 
 
 @dataclass(slots=True)
@@ -151,6 +155,6 @@ async def complete_once(session: aiohttp.ClientSession, url: str, model: str,
 def open_session(concurrency: int, timeout_s: float) -> aiohttp.ClientSession:
     """One session per arm: a connection pool as large as the level needs; no proxies from
     the environment (loopback benchmarks must not leave the machine)."""
-    connector = aiohttp.TCPConnector(limit=concurrency + 8, force_close=False)
+    connector = aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(connector=connector, trust_env=False,
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))

@@ -123,6 +123,9 @@ def test_clean_arms_are_comparable() -> None:
 @pytest.mark.parametrize(("facts_b", "warm_b", "ratios", "needle"), [
     ({"cached_beyond_bound": 2}, {}, [1.0] * 5, "cached prompt tokens"),
     ({"failed": 1}, {}, [1.0] * 5, "failed request"),
+    ({"failed": 2, "first_error": "ClientOSError: [Errno 104]\nConnection reset"}, {},
+     [1.0] * 5, "arm 'b': 2 failed request(s), the first: ClientOSError: [Errno 104] "
+                "Connection reset"),
     ({"output_tokens": 99}, {}, [1.0] * 5, "unequal output tokens"),
     ({"completed": 9}, {}, [1.0] * 5, "unequal completed"),
     ({"output_throughput_cv": 0.2}, {}, [1.0] * 5, "CV 20.0%"),
